@@ -1,0 +1,253 @@
+"""Run megatron-core 0.16.1 on CPU with gloo (opt-in, for tests and the CPU main job).
+
+megatron-core assumes CUDA in a handful of places (DESIGN.md section 8). Each place is
+covered by one shim below, listed in ``SHIMS`` with the upstream location it covers, so
+that a megatron-core upgrade that moves the code fails loudly in ``enable_cpu_support()``
+instead of silently running the stock path.
+
+Two kinds of shim:
+
+* ``_Rewrite``: the named function's source with literal replacements (``device="cuda"``
+  becomes ``device="cpu"``, a ``torch.cuda.FloatTensor`` type check accepts its CPU twin).
+  The function is recompiled in its own module's globals, so nothing else about it changes.
+* a few direct replacements (``torch.cuda.current_device`` names the CPU, the RNG tracker
+  keeps CPU generator states, torch norms accept sequence parallelism).
+
+Nothing here runs when CUDA is available: ``enable_cpu_support()`` returns False and
+changes nothing. On CPU every shim only changes *where* a tensor lives or *which*
+generator a state belongs to, never a value.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import sys
+import textwrap
+from dataclasses import dataclass
+from typing import Callable, List, Sequence, Tuple
+
+import torch
+
+_ENABLED = False
+
+
+@dataclass(frozen=True)
+class _Rewrite:
+    """Recompile ``module.qualname`` with each ``old`` string replaced by ``new``."""
+
+    module: str
+    qualname: str
+    replacements: Tuple[Tuple[str, str], ...]
+    upstream: str  # file:line in megatron/core 0.16.1, for the reader
+
+    def apply(self) -> None:
+        mod = importlib.import_module(self.module)
+        owner, name = _resolve_owner(mod, self.qualname)
+        raw = inspect.getattr_static(owner, name)
+        func = raw.__func__ if isinstance(raw, (classmethod, staticmethod)) else raw
+        src = textwrap.dedent(inspect.getsource(func))
+        for old, new in self.replacements:
+            if old not in src:
+                raise RuntimeError(
+                    f"megatron_tsp.compat: '{old}' not found in {self.module}.{self.qualname} "
+                    f"({self.upstream}); this megatron-core version is not supported on CPU"
+                )
+            src = src.replace(old, new)
+        new_func = _compile_like(func, src, owner if inspect.isclass(owner) else None)
+        if isinstance(raw, classmethod):
+            new_obj = classmethod(new_func)
+        elif isinstance(raw, staticmethod):
+            new_obj = staticmethod(new_func)
+        else:
+            new_obj = new_func
+        setattr(owner, name, new_obj)
+        if not inspect.isclass(owner):
+            _rebind_imported_copies(func, new_func)
+
+
+def _resolve_owner(mod, qualname: str):
+    parts = qualname.split(".")
+    owner = mod
+    for part in parts[:-1]:
+        owner = getattr(owner, part)
+    return owner, parts[-1]
+
+
+def _compile_like(func: Callable, src: str, cls) -> Callable:
+    """Compile ``src`` (one ``def``, decorators stripped) with ``func``'s globals.
+
+    Methods are compiled inside a factory that binds ``__class__`` so that zero-argument
+    ``super()`` keeps working.
+    """
+    tree = ast.parse(src)
+    fdef = tree.body[0]
+    fdef.decorator_list = []  # classmethod/staticmethod are re-applied by the caller
+    body = ast.unparse(fdef)
+    factory = "def __tsp_factory__(__class__):\n" + textwrap.indent(body, "    ")
+    factory += f"\n    return {fdef.name}\n"
+    namespace: dict = {}
+    code = compile(factory, f"<megatron_tsp.compat: {func.__module__}.{func.__qualname__}>", "exec")
+    exec(code, func.__globals__, namespace)
+    new_func = namespace["__tsp_factory__"](cls)
+    new_func.__qualname__ = func.__qualname__
+    new_func.__module__ = func.__module__
+    new_func.__doc__ = func.__doc__
+    return new_func
+
+
+def _rebind_imported_copies(old: Callable, new: Callable) -> None:
+    """``from x import f`` elsewhere in megatron keeps the old object: point it at the new."""
+    for mod_name, mod in list(sys.modules.items()):
+        if mod is None or not mod_name.startswith("megatron."):
+            continue
+        for attr, value in list(vars(mod).items()):
+            if value is old:
+                setattr(mod, attr, new)
+
+
+_CUDA = '"cuda"'
+_CUDA_Q = "'cuda'"
+
+SHIMS: Sequence[_Rewrite] = (
+    # Causal masks are built on cuda.
+    _Rewrite("megatron.core.transformer.utils", "get_default_causal_mask",
+             ((f"device={_CUDA}", 'device="cpu"'),), "transformer/utils.py:35"),
+    _Rewrite("megatron.core.transformer.utils", "get_sliding_window_causal_mask",
+             ((f"device={_CUDA}", 'device="cpu"'),), "transformer/utils.py:40"),
+    # Context-parallel RoPE slice: pinned memory and .cuda().
+    _Rewrite("megatron.core.models.common.embeddings.rope_utils", "get_pos_emb_on_this_cp_rank",
+             (("pin_memory=True", "pin_memory=False"), (".cuda(non_blocking=True)", "")),
+             "models/common/embeddings/rope_utils.py:62"),
+    # Token counters of the pipeline schedules.
+    *(
+        _Rewrite("megatron.core.pipeline_parallel.schedules", name,
+                 ((f"device={_CUDA}", 'device="cpu"'),), f"pipeline_parallel/schedules.py:{line}")
+        for name, line in (
+            ("forward_backward_no_pipelining", 596),
+            ("forward_backward_pipelining_with_interleaving", 983),
+            ("forward_backward_pipelining_without_interleaving", 2138),
+        )
+    ),
+    # Optimizer scalars and dtype checks spelled with torch.cuda.* type names.
+    _Rewrite("megatron.core.optimizer.optimizer", "MixedPrecisionOptimizer.__init__",
+             ((f"device={_CUDA_Q}", "device='cpu'"),), "optimizer/optimizer.py:473-485"),
+    _Rewrite("megatron.core.optimizer.optimizer", "Float16OptimizerWithFloat16Params.__init__",
+             (("'torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor'",
+               "'torch.HalfTensor', 'torch.BFloat16Tensor'"),
+              ("== 'torch.cuda.FloatTensor'", "== 'torch.FloatTensor'")),
+             "optimizer/optimizer.py:671/690"),
+    _Rewrite("megatron.core.optimizer.optimizer", "FP32Optimizer.__init__",
+             ((f"device={_CUDA_Q}", "device='cpu'"),), "optimizer/optimizer.py:907"),
+    _Rewrite("megatron.core.optimizer.distrib_optimizer",
+             "DistributedOptimizer._build_model_and_main_param_groups",
+             (("'torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor'",
+               "'torch.HalfTensor', 'torch.BFloat16Tensor'"),
+              ("== 'torch.cuda.FloatTensor'", "== 'torch.FloatTensor'")),
+             "optimizer/distrib_optimizer.py:361/420"),
+    _Rewrite("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.__init__",
+             (("'torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor'",
+               "'torch.HalfTensor', 'torch.BFloat16Tensor'"),),
+             "optimizer/distrib_optimizer.py:582"),
+    # Gradient norm and clipping.
+    _Rewrite("megatron.core.optimizer.clip_grads", "get_grad_norm_fp32",
+             ((f"device={_CUDA_Q}", "device='cpu'"),), "optimizer/clip_grads.py:90/103/115"),
+    _Rewrite("megatron.core.optimizer.clip_grads", "clip_grad_by_total_norm_fp32",
+             ((f"device={_CUDA_Q}", "device='cpu'"),
+              ("== 'torch.cuda.FloatTensor'", "== 'torch.FloatTensor'")),
+             "optimizer/clip_grads.py:167/174"),
+    _Rewrite("megatron.core.optimizer.clip_grads", "count_zeros_fp32",
+             ((f"device={_CUDA_Q}", "device='cpu'"),), "optimizer/clip_grads.py:207"),
+    _Rewrite("megatron.core.utils", "local_multi_tensor_l2_norm",
+             ((f"device={_CUDA}", 'device="cpu"'),), "utils.py:1207"),
+    # The CUDA RNG tracker: same bookkeeping, CPU generator.
+    _Rewrite("megatron.core.tensor_parallel.random", "CudaRNGStatesTracker.add",
+             (("torch.cuda.get_rng_state()", "torch.get_rng_state()"),
+              ("torch.cuda.manual_seed(seed)", "torch.manual_seed(seed)")),
+             "tensor_parallel/random.py:235"),
+)
+
+
+def _cpu_get_rng_state(device=-1, clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _cpu_set_rng_state(new_state: torch.Tensor, device=-1, graph_safe: bool = False) -> None:
+    torch.set_rng_state(new_state)
+
+
+def _cpu_current_device() -> torch.device:
+    return torch.device("cpu")
+
+
+def _patch_rng() -> None:
+    """tensor_parallel/random.py:41/72: the tracker's fork() (dot_product_attention.py:217,
+    transformer_block.py:707, language_model_embedding.py:145) and activation checkpointing
+    save and restore the *CPU* generator instead of a CUDA one."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom._get_cuda_rng_state = _cpu_get_rng_state
+    mrandom._set_cuda_rng_state = _cpu_set_rng_state
+
+
+def _patch_torch_norm() -> None:
+    """transformer/torch_norm.py:32: torch norms refuse sequence_parallel. Accept it and mark
+    the parameters ``sequence_parallel=True`` the way megatron's FusedLayerNorm does, so that
+    finalize_model_grads sums their gradients over the tensor-parallel group."""
+    from megatron.core.transformer import torch_norm
+
+    original_new = torch_norm.WrappedTorchNorm.__new__
+    if getattr(original_new, "_megatron_tsp", False):
+        return
+
+    def __new__(cls, config, *args, **kwargs):
+        sequence_parallel = config.sequence_parallel
+        if sequence_parallel:
+            config = _with(config, sequence_parallel=False)
+        norm = original_new(cls, config, *args, **kwargs)
+        for param in norm.parameters():
+            setattr(param, "sequence_parallel", sequence_parallel)
+        return norm
+
+    __new__._megatron_tsp = True
+    torch_norm.WrappedTorchNorm.__new__ = __new__
+
+
+def _with(config, **changes):
+    import copy
+
+    config = copy.copy(config)
+    for key, value in changes.items():
+        object.__setattr__(config, key, value)
+    return config
+
+
+def cpu_support_enabled() -> bool:
+    return _ENABLED
+
+
+def enable_cpu_support() -> bool:
+    """Make megatron-core's GPTModel + DDP + optimizer + schedules path run on CPU.
+
+    Idempotent. Returns True when the shims are active, False (and changes nothing) when
+    CUDA is available.
+    """
+    global _ENABLED
+    if torch.cuda.is_available():
+        return False
+    if _ENABLED:
+        return True
+    # utils.py:631, tensor_parallel/mappings.py:91/141/148/181, layers.py:552,
+    # distributed/param_and_grad_buffer.py:783/800/806 and every other
+    # `device=torch.cuda.current_device()` allocate on the current device: name the CPU.
+    torch.cuda.current_device = _cpu_current_device
+    _patch_rng()
+    _patch_torch_norm()
+    for shim in SHIMS:
+        shim.apply()
+    _ENABLED = True
+    return True
+
+
+__all__: List[str] = ["enable_cpu_support", "cpu_support_enabled", "SHIMS"]

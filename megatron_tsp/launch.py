@@ -1,0 +1,187 @@
+"""Run a function on N gloo ranks on this machine, with a deadline.
+
+Used by the tests (one long-lived pool per world size, so worker start-up and imports are
+paid once) and by ``megatron-tsp train --nproc N`` on a machine without torchrun. A rank
+that raises, dies or runs past its deadline takes the whole pool down and the caller gets
+the first failing rank's traceback: a hang becomes an error message, never a stuck job.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import socket
+import sys
+import time
+import traceback
+import warnings
+from multiprocessing.connection import Connection, wait
+from typing import Any, Callable, List, Optional
+
+DEFAULT_TIMEOUT_S = 300.0
+
+
+class RankError(RuntimeError):
+    """A rank raised; the message carries its traceback."""
+
+
+class PoolTimeout(TimeoutError):
+    """Some rank did not answer before the deadline; the pool was killed."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_gloo(rank: int, world_size: int, port: int, timeout_s: float) -> None:
+    """Join a gloo process group on loopback; collectives time out after ``timeout_s``."""
+    import torch.distributed as dist
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    os.environ["RANK"] = str(rank)
+    os.environ["LOCAL_RANK"] = str(rank)
+    os.environ["WORLD_SIZE"] = str(world_size)
+    dist.init_process_group(
+        "gloo",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
+def _reset_parallel_state() -> None:
+    from megatron_tsp import parallel_state as tsp_state
+    from megatron.core import parallel_state as mpu
+
+    if tsp_state.is_initialized():
+        tsp_state.destroy_model_parallel()
+    elif mpu.model_parallel_is_initialized():
+        mpu.destroy_model_parallel()
+
+
+def _worker(rank: int, world_size: int, port: int, conn: Connection, path: List[str],
+            collective_timeout_s: float) -> None:
+    sys.path[:] = path
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # megatron-core warns about missing CUDA extensions at every import; the parent's
+    # output is what a reader wants to see.
+    warnings.simplefilter("ignore")
+    import torch
+
+    torch.set_num_threads(1)
+    from megatron_tsp.compat import enable_cpu_support
+
+    enable_cpu_support()
+    init_gloo(rank, world_size, port, collective_timeout_s)
+    conn.send(("ready", None))
+    while True:
+        task = conn.recv()
+        if task is None:
+            break
+        fn, args, kwargs = task
+        try:
+            result = fn(*args, **kwargs)
+            conn.send(("ok", result))
+        except BaseException:  # noqa: BLE001 - the parent decides what to do with it
+            conn.send(("err", traceback.format_exc()))
+        finally:
+            _reset_parallel_state()
+
+
+class WorkerPool:
+    """``world_size`` processes joined in one gloo group, reused across calls."""
+
+    def __init__(self, world_size: int, collective_timeout_s: float = 120.0,
+                 start_timeout_s: float = 180.0):
+        self.world_size = world_size
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        self._conns: List[Connection] = []
+        self._procs = []
+        for rank in range(world_size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(
+                target=_worker,
+                args=(rank, world_size, port, child, list(sys.path), collective_timeout_s),
+                daemon=True,
+            )
+            proc.start()
+            child.close()
+            self._conns.append(parent)
+            self._procs.append(proc)
+        self._collect("start-up", start_timeout_s)
+
+    @property
+    def alive(self) -> bool:
+        return bool(self._procs) and all(p.is_alive() for p in self._procs)
+
+    def run(self, fn: Callable, *args, timeout_s: float = DEFAULT_TIMEOUT_S, **kwargs) -> List[Any]:
+        """Run ``fn(*args, **kwargs)`` on every rank; return the per-rank results."""
+        for conn in self._conns:
+            conn.send((fn, args, kwargs))
+        return self._collect(getattr(fn, "__name__", repr(fn)), timeout_s)
+
+    def _collect(self, what: str, timeout_s: float) -> List[Any]:
+        deadline = time.monotonic() + timeout_s
+        results: List[Optional[tuple]] = [None] * self.world_size
+        pending = {conn: rank for rank, conn in enumerate(self._conns)}
+        sentinels = {p.sentinel: rank for rank, p in enumerate(self._procs)}
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                ranks = sorted(pending.values())
+                self.close(kill=True)
+                raise PoolTimeout(
+                    f"{what}: rank(s) {ranks} of {self.world_size} did not finish within "
+                    f"{timeout_s:.0f}s; the worker pool was killed"
+                )
+            ready = wait(list(pending) + list(sentinels), timeout=left)
+            for obj in ready:
+                if obj in pending:
+                    rank = pending.pop(obj)
+                    try:
+                        results[rank] = obj.recv()
+                    except EOFError:
+                        results[rank] = ("err", f"rank {rank} exited without a result")
+                    if results[rank][0] == "err":
+                        self.close(kill=True)
+                        raise RankError(f"{what} failed on rank {rank}:\n{results[rank][1]}")
+                elif obj in sentinels and sentinels[obj] in pending.values():
+                    rank = sentinels[obj]
+                    code = self._procs[rank].exitcode
+                    self.close(kill=True)
+                    raise RankError(f"{what}: rank {rank} died (exit code {code})")
+        return [r[1] for r in results]
+
+    def close(self, kill: bool = False) -> None:
+        for conn, proc in zip(self._conns, self._procs):
+            if not kill and proc.is_alive():
+                try:
+                    conn.send(None)
+                except (BrokenPipeError, OSError):
+                    pass
+        for proc in self._procs:
+            if kill:
+                proc.kill()
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        for conn in self._conns:
+            conn.close()
+        self._procs, self._conns = [], []
+
+
+def run_on_ranks(fn: Callable, world_size: int, *args, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 **kwargs) -> List[Any]:
+    """One-shot: start ``world_size`` gloo ranks, run ``fn`` on each, shut them down."""
+    pool = WorkerPool(world_size)
+    try:
+        return pool.run(fn, *args, timeout_s=timeout_s, **kwargs)
+    finally:
+        pool.close()

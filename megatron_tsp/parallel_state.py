@@ -1,0 +1,145 @@
+"""TSP process groups beside TP, PP and DP.
+
+TSP occupies megatron-core's tensor-parallel slot (DESIGN.md section 6): to megatron-core a
+TSP job of size D is ``tensor_model_parallel_size=D`` with sequence parallelism, so its
+data-parallel groups, DDP, optimizers, grad-norm de-duplication and checkpoint sharding
+all work unchanged. This module creates that layout and registers the group under its own
+name, so that TSP code never has to say "tensor parallel" when it means TSP.
+
+Rank layout (innermost first): ``tsp-dp-pp``. World 8, tsp 2, pp 2 gives TSP groups
+[0,1] [2,3] [4,5] [6,7], DP groups [0,2] [1,3] [4,6] [5,7], PP groups [0,4] [1,5] ...
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch.distributed as dist
+from megatron.core import parallel_state as mpu
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+_TSP_GROUP: Optional[dist.ProcessGroup] = None
+_TSP_SIZE: Optional[int] = None
+
+
+@dataclasses.dataclass(init=False, repr=False)
+class TSPProcessGroupCollection(ProcessGroupCollection):
+    """megatron-core's process-group collection plus the TSP group as ``.tsp``.
+
+    ``.tp`` is the same group: megatron modules that read ``pg_collection.tp`` (embedding,
+    output layer, norms' gradient reduction) see TSP as tensor parallelism.
+    """
+
+    tsp: dist.ProcessGroup = dataclasses.field(init=False)
+
+
+def check_parallel_sizes(
+    world_size: int,
+    tsp_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    tensor_model_parallel_size: int = 1,
+    context_parallel_size: int = 1,
+) -> None:
+    """Raise a one-line ``ValueError`` naming the flag and the fix; runs no collective."""
+    if tsp_size < 1:
+        raise ValueError(f"--tsp-size must be >= 1 (got {tsp_size})")
+    if pipeline_model_parallel_size < 1:
+        raise ValueError(
+            f"--pipeline-model-parallel-size must be >= 1 (got {pipeline_model_parallel_size})"
+        )
+    if tsp_size > 1 and tensor_model_parallel_size > 1:
+        raise ValueError(
+            f"--tsp-size {tsp_size} cannot be combined with --tensor-model-parallel-size "
+            f"{tensor_model_parallel_size}: TSP occupies the tensor-parallel slot; "
+            f"set --tensor-model-parallel-size 1"
+        )
+    if tsp_size > 1 and context_parallel_size > 1:
+        raise ValueError(
+            f"--tsp-size {tsp_size} cannot be combined with --context-parallel-size "
+            f"{context_parallel_size}: TSP already shards the sequence; "
+            f"set --context-parallel-size 1"
+        )
+    model_parallel = (
+        tsp_size * tensor_model_parallel_size * context_parallel_size * pipeline_model_parallel_size
+    )
+    if world_size % model_parallel != 0:
+        raise ValueError(
+            f"world size {world_size} is not divisible by --tsp-size x "
+            f"--pipeline-model-parallel-size (x tensor/context-parallel sizes) = {model_parallel}; "
+            f"launch a multiple of {model_parallel} ranks or change the sizes"
+        )
+
+
+def initialize_model_parallel(
+    tsp_size: int = 1, pipeline_model_parallel_size: int = 1, **megatron_kwargs
+) -> None:
+    """Set up megatron-core's parallel state with TSP on the tensor-parallel slot.
+
+    ``megatron_kwargs`` go to ``megatron.core.parallel_state.initialize_model_parallel``
+    (for example ``virtual_pipeline_model_parallel_size``, ``distributed_timeout_minutes``).
+    With ``tsp_size == 1`` a ``tensor_model_parallel_size`` > 1 gives a plain TP baseline.
+    """
+    global _TSP_GROUP, _TSP_SIZE
+    if _TSP_SIZE is not None or mpu.model_parallel_is_initialized():
+        raise ValueError(
+            "model parallel state is already initialized; call "
+            "megatron_tsp.destroy_model_parallel() before initializing it again"
+        )
+    if not dist.is_initialized():
+        raise ValueError(
+            "torch.distributed is not initialized; call torch.distributed.init_process_group "
+            "(or launch with torchrun) before megatron_tsp.initialize_model_parallel"
+        )
+    tp = megatron_kwargs.pop("tensor_model_parallel_size", 1)
+    cp = megatron_kwargs.get("context_parallel_size", 1)
+    check_parallel_sizes(dist.get_world_size(), tsp_size, pipeline_model_parallel_size, tp, cp)
+    mpu.initialize_model_parallel(
+        tensor_model_parallel_size=tsp_size * tp,
+        pipeline_model_parallel_size=pipeline_model_parallel_size,
+        order="tp-cp-ep-dp-pp",
+        **megatron_kwargs,
+    )
+    _TSP_SIZE = tsp_size
+    # The TSP group is the tensor-parallel group; it does not exist as such when TSP is off
+    # and plain TP is on (a TSP module there would be a mistake).
+    _TSP_GROUP = mpu.get_tensor_model_parallel_group() if tp == 1 else None
+
+
+def destroy_model_parallel() -> None:
+    global _TSP_GROUP, _TSP_SIZE
+    _TSP_GROUP = None
+    _TSP_SIZE = None
+    mpu.destroy_model_parallel()
+
+
+def is_initialized() -> bool:
+    return _TSP_SIZE is not None
+
+
+def get_tsp_group() -> dist.ProcessGroup:
+    if _TSP_GROUP is None:
+        if _TSP_SIZE is None:
+            raise RuntimeError(
+                "TSP groups are not initialized; call megatron_tsp.initialize_model_parallel()"
+            )
+        raise RuntimeError(
+            "no TSP group: this job runs plain tensor parallelism (--tsp-size 1 with "
+            "--tensor-model-parallel-size > 1); TSP modules need --tsp-size > 1 or TP 1"
+        )
+    return _TSP_GROUP
+
+
+def get_tsp_world_size() -> int:
+    return get_tsp_group().size()
+
+
+def get_tsp_rank() -> int:
+    return get_tsp_group().rank()
+
+
+def get_tsp_pg_collection() -> TSPProcessGroupCollection:
+    """megatron-core's default process groups with the TSP group attached as ``.tsp``."""
+    pgs = TSPProcessGroupCollection.use_mpu_process_groups()
+    pgs.tsp = get_tsp_group()
+    return pgs

@@ -1,0 +1,125 @@
+"""The megatron-core training loop pieces shared by tests, benchmarks and ``megatron-tsp train``.
+
+Stock megatron-core throughout: ``GPTModel``, ``DistributedDataParallel``,
+``get_megatron_optimizer``, ``get_forward_backward_func`` and ``finalize_model_grads``.
+Nothing here knows about TSP except that a batch may need to be put into zigzag order
+(``batch_transform``), so the same loop runs TSP and its TP/TP+SP baselines.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Callable, Dict, Iterable, List, Optional
+
+import torch
+from megatron.core import parallel_state as mpu
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
+from megatron.core.models.gpt import GPTModel
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+Batch = Dict[str, Optional[torch.Tensor]]
+
+
+def build_model(
+    config: TransformerConfig,
+    layer_spec: ModuleSpec,
+    vocab_size: int,
+    max_sequence_length: int,
+    position_embedding_type: str = "rope",
+    share_embeddings_and_output_weights: bool = True,
+    ddp_config: Optional[DistributedDataParallelConfig] = None,
+) -> List[DistributedDataParallel]:
+    """One ``GPTModel`` for this pipeline stage, wrapped in megatron DDP (a list of chunks)."""
+    config.finalize_model_grads_func = finalize_model_grads
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec,
+        vocab_size=vocab_size,
+        max_sequence_length=max_sequence_length,
+        pre_process=mpu.is_pipeline_first_stage(),
+        post_process=mpu.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=share_embeddings_and_output_weights,
+        position_embedding_type=position_embedding_type,
+    )
+    ddp_config = ddp_config or DistributedDataParallelConfig()
+    ddp = DistributedDataParallel(config, ddp_config, model)
+    # Same initial weights on every data-parallel replica, as Megatron-LM does.
+    ddp.broadcast_params()
+    return [ddp]
+
+
+def build_optimizer(model: List[DistributedDataParallel], optimizer_config: OptimizerConfig):
+    return get_megatron_optimizer(optimizer_config, model)
+
+
+def masked_mean_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Mean of the per-token losses over the tokens the mask keeps."""
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.float().view(-1)
+    loss = torch.sum(losses * mask) / mask.sum().clamp(min=1.0)
+    return loss, {"lm loss": loss.detach()}
+
+
+def make_forward_step(batch_transform: Optional[Callable[[Batch], Batch]] = None):
+    """A megatron ``forward_step_func`` over an iterator of batch dicts."""
+
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        if batch_transform is not None:
+            batch = batch_transform(batch)
+        output = model(
+            batch["tokens"],
+            batch["position_ids"],
+            batch.get("attention_mask"),
+            labels=batch["labels"],
+        )
+        return output, partial(masked_mean_loss, batch["loss_mask"])
+
+    return forward_step
+
+
+def train_step(
+    model: List[DistributedDataParallel],
+    optimizer,
+    microbatches: Iterable[Batch],
+    num_microbatches: int,
+    seq_length: int,
+    micro_batch_size: int,
+    batch_transform: Optional[Callable[[Batch], Batch]] = None,
+) -> Dict[str, float]:
+    """One optimizer step over ``num_microbatches``; returns the loss and the grad norm.
+
+    The loss is averaged over micro-batches and data-parallel replicas and is the same on
+    every rank (it is broadcast from the last pipeline stage).
+    """
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    losses = get_forward_backward_func()(
+        forward_step_func=make_forward_step(batch_transform),
+        data_iterator=iter(microbatches),
+        model=model,
+        num_microbatches=num_microbatches,
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        forward_only=False,
+    )
+    update_successful, grad_norm, _ = optimizer.step()
+    loss = torch.zeros(1, dtype=torch.float64)
+    if mpu.is_pipeline_last_stage():
+        loss[0] = sum(float(x["lm loss"]) for x in losses) / num_microbatches
+    torch.distributed.all_reduce(loss, group=mpu.get_pipeline_model_parallel_group())
+    torch.distributed.all_reduce(loss, group=mpu.get_data_parallel_group())
+    loss /= mpu.get_data_parallel_world_size()
+    return {
+        "loss": float(loss[0]),
+        "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+        "update_successful": bool(update_successful),
+    }

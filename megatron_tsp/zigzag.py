@@ -1,0 +1,68 @@
+"""Zigzag sequence layout (DESIGN.md section 4).
+
+The sequence is cut into ``2D`` equal chunks; TSP rank ``r`` holds chunks ``r`` and
+``2D-1-r``, so that every rank does the same causal-attention work (Megatron context
+parallelism uses the same layout). Permuting a whole sequence into *zigzag order*
+(chunks 0, 2D-1, 1, 2D-2, ...) before the embedding lets megatron's sequence-parallel
+scatter hand each rank exactly its two chunks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def check_seq_len(seq_len: int, tsp_size: int) -> int:
+    """Return the chunk length; raise a one-line error when the sequence does not divide."""
+    if tsp_size < 1:
+        raise ValueError(f"--tsp-size must be >= 1 (got {tsp_size})")
+    if seq_len % (2 * tsp_size) != 0:
+        raise ValueError(
+            f"--seq-length {seq_len} is not divisible by 2 x --tsp-size = {2 * tsp_size} "
+            f"(zigzag layout); use a multiple of {2 * tsp_size}"
+        )
+    return seq_len // (2 * tsp_size)
+
+
+def rank_chunks(tsp_size: int, tsp_rank: int) -> tuple[int, int]:
+    """The two chunk indices held by ``tsp_rank``."""
+    return tsp_rank, 2 * tsp_size - 1 - tsp_rank
+
+
+def local_positions(
+    seq_len: int, tsp_size: int, tsp_rank: int, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """Global positions, in local order, of the ``seq_len / tsp_size`` tokens of a rank."""
+    chunk = check_seq_len(seq_len, tsp_size)
+    first, second = rank_chunks(tsp_size, tsp_rank)
+    return torch.cat(
+        [
+            torch.arange(first * chunk, (first + 1) * chunk, device=device),
+            torch.arange(second * chunk, (second + 1) * chunk, device=device),
+        ]
+    )
+
+
+def permutation(seq_len: int, tsp_size: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """``perm`` such that ``x[perm]`` is ``x`` in zigzag order (rank 0's tokens first)."""
+    return torch.cat([local_positions(seq_len, tsp_size, r, device) for r in range(tsp_size)])
+
+
+def inverse_permutation(
+    seq_len: int, tsp_size: int, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """``inv`` such that ``x_zigzag[inv]`` is back in natural order."""
+    perm = permutation(seq_len, tsp_size, device)
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(seq_len, device=perm.device)
+    return inv
+
+
+def to_zigzag(x: torch.Tensor, tsp_size: int, dim: int) -> torch.Tensor:
+    """Permute the sequence dimension ``dim`` of ``x`` into zigzag order."""
+    return x.index_select(dim, permutation(x.size(dim), tsp_size, x.device))
+
+
+def from_zigzag(x: torch.Tensor, tsp_size: int, dim: int) -> torch.Tensor:
+    """Undo :func:`to_zigzag`."""
+    return x.index_select(dim, inverse_permutation(x.size(dim), tsp_size, x.device))
