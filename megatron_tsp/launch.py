@@ -15,7 +15,6 @@ import socket
 import sys
 import time
 import traceback
-import warnings
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, List, Optional
 
@@ -68,9 +67,6 @@ def _worker(rank: int, world_size: int, port: int, conn: Connection, path: List[
             collective_timeout_s: float) -> None:
     sys.path[:] = path
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    # megatron-core warns about missing CUDA extensions at every import; the parent's
-    # output is what a reader wants to see.
-    warnings.simplefilter("ignore")
     import torch
 
     torch.set_num_threads(1)
@@ -103,6 +99,10 @@ class WorkerPool:
         port = free_port()
         self._conns: List[Connection] = []
         self._procs = []
+        # megatron-core warns about missing CUDA extensions on every import, before the
+        # worker function runs; keep the parent's output readable.
+        saved_warnings = os.environ.get("PYTHONWARNINGS")
+        os.environ["PYTHONWARNINGS"] = "ignore"
         for rank in range(world_size):
             parent, child = ctx.Pipe()
             proc = ctx.Process(
@@ -114,6 +114,10 @@ class WorkerPool:
             child.close()
             self._conns.append(parent)
             self._procs.append(proc)
+        if saved_warnings is None:
+            del os.environ["PYTHONWARNINGS"]
+        else:
+            os.environ["PYTHONWARNINGS"] = saved_warnings
         self._collect("start-up", start_timeout_s)
 
     @property

@@ -140,6 +140,7 @@ def get_tsp_rank() -> int:
 
 def get_tsp_pg_collection() -> TSPProcessGroupCollection:
     """megatron-core's default process groups with the TSP group attached as ``.tsp``."""
-    pgs = TSPProcessGroupCollection.use_mpu_process_groups()
+    megatron_groups = [f.name for f in dataclasses.fields(ProcessGroupCollection)]
+    pgs = TSPProcessGroupCollection.use_mpu_process_groups(required_pgs=megatron_groups)
     pgs.tsp = get_tsp_group()
     return pgs

@@ -1,0 +1,60 @@
+"""What this machine offers TSP: library versions, optional accelerations, device, backend."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata as metadata
+import platform
+from typing import Dict, Optional
+
+
+def _version(dist_name: str) -> Optional[str]:
+    try:
+        return metadata.version(dist_name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def transformer_engine_version() -> Optional[str]:
+    """TransformerEngine's version when its PyTorch extension imports, else None."""
+    try:
+        te = importlib.import_module("transformer_engine.pytorch")
+    except Exception:  # noqa: BLE001 - any import failure means "not usable here"
+        return None
+    return getattr(te, "__version__", None) or _version("transformer-engine") or "unknown"
+
+
+def nvidia_apex_available() -> bool:
+    """NVIDIA apex with its fused kernels (not the unrelated PyPI package named ``apex``)."""
+    try:
+        importlib.import_module("apex.normalization")
+        importlib.import_module("fused_layer_norm_cuda")
+    except Exception:  # noqa: BLE001
+        return False
+    return True
+
+
+def device_and_backend() -> Dict[str, str]:
+    import torch
+
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name(0)
+        vendor = "rocm" if getattr(torch.version, "hip", None) else "cuda"
+        backend = "nccl" if vendor == "cuda" else "nccl (rccl)"
+        return {"device": f"{vendor}: {name} x{torch.cuda.device_count()}", "backend": backend}
+    return {"device": f"cpu: {platform.processor() or platform.machine()}", "backend": "gloo"}
+
+
+def environment() -> Dict[str, object]:
+    import torch
+
+    info: Dict[str, object] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "megatron-core": _version("megatron-core"),
+        "megatron-tsp": _version("megatron-tsp"),
+        "transformer-engine": transformer_engine_version(),
+        "nvidia-apex": nvidia_apex_available(),
+    }
+    info.update(device_and_backend())
+    return info

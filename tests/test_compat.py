@@ -1,0 +1,78 @@
+"""The CPU shims: each one applies, does what it says, and nothing happens with CUDA."""
+
+import inspect
+
+import torch
+
+from megatron_tsp import compat
+
+
+def _shim_checks():
+    from megatron.core import tensor_parallel
+    from megatron.core.transformer import utils as tutils
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    import megatron_tsp
+
+    assert compat.enable_cpu_support() is True  # idempotent: already on in the worker
+    megatron_tsp.initialize_model_parallel()
+    out = {}
+    # Every rewritten function now comes from the shim and still has its upstream name.
+    rewritten = []
+    for shim in compat.SHIMS:
+        owner, name = compat._resolve_owner(__import__(shim.module, fromlist=["x"]), shim.qualname)
+        fn = inspect.getattr_static(owner, name)
+        fn = getattr(fn, "__func__", fn)
+        rewritten.append(fn.__code__.co_filename.startswith("<megatron_tsp.compat") and fn.__qualname__ == shim.qualname)
+    out["rewritten"] = rewritten
+    # Causal mask: same values as upstream intends, on the CPU.
+    mask = tutils.get_default_causal_mask(5)
+    out["mask"] = mask.device.type == "cpu" and torch.equal(mask, torch.triu(torch.ones(5, 5), 1).bool())
+    # RNG tracker: fork() gives a reproducible stream and leaves the default stream alone.
+    tensor_parallel.model_parallel_cuda_manual_seed(7)
+    torch.manual_seed(0)
+    expected_default = torch.rand(3)
+    torch.manual_seed(0)
+    with tensor_parallel.get_cuda_rng_tracker().fork():
+        forked_a = torch.rand(3)
+    default_after = torch.rand(3)
+    tensor_parallel.model_parallel_cuda_manual_seed(7)
+    with tensor_parallel.get_cuda_rng_tracker().fork():
+        forked_b = torch.rand(3)
+    out["rng"] = torch.equal(forked_a, forked_b) and torch.equal(default_after, expected_default)
+    # Norms accept sequence parallelism and mark their parameters for the TP grad all-reduce.
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2,
+                               sequence_parallel=True, tensor_model_parallel_size=2)
+    norm = WrappedTorchNorm(config, hidden_size=8)
+    out["norm"] = all(getattr(p, "sequence_parallel", False) for p in norm.parameters())
+    assert config.sequence_parallel  # the caller's config is untouched
+    out["device"] = torch.empty(1, device=torch.cuda.current_device()).device.type
+    return out
+
+
+def test_shims_apply_and_behave(ranks):
+    (out,) = ranks(1, _shim_checks)
+    assert all(out["rewritten"]) and len(out["rewritten"]) == len(compat.SHIMS)
+    assert out["mask"] and out["rng"] and out["norm"]
+    assert out["device"] == "cpu"
+
+
+def test_nothing_changes_when_cuda_is_available(monkeypatch):
+    from megatron.core.transformer import utils as tutils
+
+    before = (torch.cuda.current_device, tutils.get_default_causal_mask)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert compat.enable_cpu_support() is False
+    assert (torch.cuda.current_device, tutils.get_default_causal_mask) == before
+
+
+def test_a_moved_upstream_line_fails_loudly():
+    shim = compat._Rewrite("megatron.core.transformer.utils", "get_default_causal_mask",
+                           (("no such text", ""),), "transformer/utils.py:35")
+    try:
+        shim.apply()
+    except RuntimeError as exc:
+        assert "not supported on CPU" in str(exc)
+    else:
+        raise AssertionError("a missing pattern must raise")

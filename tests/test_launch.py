@@ -1,0 +1,49 @@
+"""The multi-rank harness itself: results per rank, tracebacks, and timeouts."""
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_tsp.launch import PoolTimeout, RankError, WorkerPool
+
+
+def _all_reduce_rank():
+    t = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(t)
+    return dist.get_rank(), t.item()
+
+
+def _fail_on_rank_1():
+    if dist.get_rank() == 1:
+        raise ValueError("boom on purpose")
+    dist.barrier()  # rank 0 waits forever: the pool must not
+
+
+def _hang_on_rank_1():
+    if dist.get_rank() == 1:
+        time.sleep(3600)
+    return dist.get_rank()
+
+
+def test_results_come_back_per_rank(ranks):
+    assert ranks(4, _all_reduce_rank) == [(r, 6.0) for r in range(4)]
+
+
+def test_failure_reports_the_rank_traceback():
+    pool = WorkerPool(2)
+    start = time.monotonic()
+    with pytest.raises(RankError, match="(?s)rank 1.*boom on purpose"):
+        pool.run(_fail_on_rank_1, timeout_s=60)
+    assert time.monotonic() - start < 30
+    assert not pool.alive
+
+
+def test_hang_becomes_a_timeout():
+    pool = WorkerPool(2)
+    start = time.monotonic()
+    with pytest.raises(PoolTimeout, match=r"rank\(s\) \[1\] of 2 did not finish within 3s"):
+        pool.run(_hang_on_rank_1, timeout_s=3)
+    assert time.monotonic() - start < 20
+    assert not pool.alive
