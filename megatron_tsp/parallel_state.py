@@ -13,13 +13,17 @@ Rank layout (innermost first): ``tsp-dp-pp``. World 8, tsp 2, pp 2 gives TSP gro
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+import datetime
+from typing import Optional, Tuple
 
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 _TSP_GROUP: Optional[dist.ProcessGroup] = None
+# Same ranks as _TSP_GROUP, a second communicator: weight-shard traffic (broadcasts, ring
+# sends, gradient reduces) must not queue behind the K/V all-gathers on the same stream.
+_TSP_WEIGHT_GROUP: Optional[dist.ProcessGroup] = None
 _TSP_SIZE: Optional[int] = None
 
 
@@ -32,6 +36,7 @@ class TSPProcessGroupCollection(ProcessGroupCollection):
     """
 
     tsp: dist.ProcessGroup = dataclasses.field(init=False)
+    tsp_weight: dist.ProcessGroup = dataclasses.field(init=False)
 
 
 def check_parallel_sizes(
@@ -80,7 +85,7 @@ def initialize_model_parallel(
     (for example ``virtual_pipeline_model_parallel_size``, ``distributed_timeout_minutes``).
     With ``tsp_size == 1`` a ``tensor_model_parallel_size`` > 1 gives a plain TP baseline.
     """
-    global _TSP_GROUP, _TSP_SIZE
+    global _TSP_GROUP, _TSP_WEIGHT_GROUP, _TSP_SIZE
     if _TSP_SIZE is not None or mpu.model_parallel_is_initialized():
         raise ValueError(
             "model parallel state is already initialized; call "
@@ -103,12 +108,32 @@ def initialize_model_parallel(
     _TSP_SIZE = tsp_size
     # The TSP group is the tensor-parallel group; it does not exist as such when TSP is off
     # and plain TP is on (a TSP module there would be a mistake).
-    _TSP_GROUP = mpu.get_tensor_model_parallel_group() if tp == 1 else None
+    if tp == 1:
+        _TSP_GROUP = mpu.get_tensor_model_parallel_group()
+        _TSP_WEIGHT_GROUP = _new_weight_group(tsp_size, megatron_kwargs)
+
+
+def _new_weight_group(tsp_size: int, megatron_kwargs) -> dist.ProcessGroup:
+    if tsp_size == 1:
+        return _TSP_GROUP
+    timeout = datetime.timedelta(minutes=megatron_kwargs.get("distributed_timeout_minutes", 30))
+    mine = None
+    # new_group is collective over the world: every rank creates every TSP group, in order.
+    for start in range(0, dist.get_world_size(), tsp_size):
+        ranks = list(range(start, start + tsp_size))
+        group = dist.new_group(ranks, timeout=timeout)
+        if dist.get_rank() in ranks:
+            mine = group
+    assert dist.get_process_group_ranks(mine) == dist.get_process_group_ranks(_TSP_GROUP)
+    return mine
 
 
 def destroy_model_parallel() -> None:
-    global _TSP_GROUP, _TSP_SIZE
+    global _TSP_GROUP, _TSP_WEIGHT_GROUP, _TSP_SIZE
+    if _TSP_WEIGHT_GROUP is not None and _TSP_WEIGHT_GROUP is not _TSP_GROUP:
+        dist.destroy_process_group(_TSP_WEIGHT_GROUP)
     _TSP_GROUP = None
+    _TSP_WEIGHT_GROUP = None
     _TSP_SIZE = None
     mpu.destroy_model_parallel()
 
@@ -130,6 +155,12 @@ def get_tsp_group() -> dist.ProcessGroup:
     return _TSP_GROUP
 
 
+def get_tsp_weight_group() -> dist.ProcessGroup:
+    """A second communicator over the TSP ranks, for weight-shard traffic."""
+    get_tsp_group()
+    return _TSP_WEIGHT_GROUP
+
+
 def get_tsp_world_size() -> int:
     return get_tsp_group().size()
 
@@ -143,4 +174,28 @@ def get_tsp_pg_collection() -> TSPProcessGroupCollection:
     megatron_groups = [f.name for f in dataclasses.fields(ProcessGroupCollection)]
     pgs = TSPProcessGroupCollection.use_mpu_process_groups(required_pgs=megatron_groups)
     pgs.tsp = get_tsp_group()
+    pgs.tsp_weight = get_tsp_weight_group()
     return pgs
+
+
+def resolve_tsp_groups(
+    pg_collection: Optional[ProcessGroupCollection] = None,
+    group: Optional[dist.ProcessGroup] = None,
+) -> Tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """(TSP group, weight-traffic group) for a module.
+
+    Explicit wins: ``group``, else ``pg_collection.tsp``, else ``pg_collection.tp`` (a
+    stock collection: TSP sits on the TP slot), else the registered TSP group. The weight
+    group is the registered second communicator when the group is the registered TSP
+    group, else the group itself.
+    """
+    if group is None and pg_collection is not None:
+        group = getattr(pg_collection, "tsp", None) or getattr(pg_collection, "tp", None)
+        weight = getattr(pg_collection, "tsp_weight", None)
+        if weight is not None:
+            return group, weight
+    if group is None:
+        group = get_tsp_group()
+    if _TSP_GROUP is not None and group is _TSP_GROUP:
+        return group, _TSP_WEIGHT_GROUP
+    return group, group

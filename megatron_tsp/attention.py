@@ -1,0 +1,328 @@
+"""TSP self-attention: broadcast weight shards, all-gather K/V, zigzag causal mask.
+
+Rank p of a TSP group of size D holds the tokens ``x_p: [S/D, b, h]`` (zigzag chunks p and
+2D-1-p) and head group p's weights, in exactly megatron's tensor-parallel layout (this class
+*is* a megatron ``SelfAttention``; only ``forward`` differs). For every head group r, all
+ranks together:
+
+    W_r       = broadcast(Wqkv_r, bqkv_r, Wproj_r; src=r)
+    q, k, v   = split(x_p Wqkv_r^T + bqkv_r)          a/D query heads, g/D kv heads
+    q, k      = rope(q, k) at the global positions of p's tokens
+    K_r, V_r  = all_gather_seq(k, v)                   [S, b, g/D, d], global order
+    y_p      += causal_attention(q, K_r, V_r) Wproj_r^T
+
+so ``y_p = sum_r attn_r(x_p) Wproj_r^T`` is the full attention output for p's tokens: no
+all-reduce. Backward (derived; DESIGN.md section 2) re-broadcasts W_r, recomputes q, k, v
+and re-gathers K_r, V_r (nothing per group is saved), reduce-scatters dK_r, dV_r to the
+token owners and reduces the partial dW_r of every rank to its owner r. The only tensors
+saved for backward are ``x_p`` and this rank's own shards.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_tsp import comm, zigzag
+from megatron_tsp.parallel_state import resolve_tsp_groups
+from megatron_tsp.streaming import ShardStream, pack, unpack
+
+ATTENTION_BACKENDS = ("auto", "sdpa", "flash_attn")
+
+
+def check_attention_config(config: TransformerConfig, tsp_size: int,
+                           attn_mask_type: AttnMaskType = AttnMaskType.causal) -> None:
+    """One-line errors for what TSP attention does not do; raised at construction."""
+    if attn_mask_type != AttnMaskType.causal:
+        raise ValueError(f"TSPSelfAttention supports causal attention only (got {attn_mask_type.name})")
+    if config.attention_dropout > 0:
+        raise ValueError(
+            f"TSPSelfAttention does not support attention dropout (got {config.attention_dropout}); "
+            "set --attention-dropout 0"
+        )
+    if config.num_attention_heads % tsp_size:
+        raise ValueError(
+            f"--num-attention-heads {config.num_attention_heads} is not divisible by "
+            f"--tsp-size {tsp_size}; choose a TSP size that divides the head count"
+        )
+    groups = config.num_query_groups or config.num_attention_heads
+    if groups % tsp_size:
+        raise ValueError(
+            f"--num-query-groups {groups} is not divisible by --tsp-size {tsp_size}; "
+            "TSP gives every rank whole KV heads"
+        )
+    if tsp_size > 1 and not config.sequence_parallel:
+        raise ValueError("TSP needs sequence_parallel=True (TSP shards the sequence); set --sequence-parallel")
+    if config.tensor_model_parallel_size != tsp_size:
+        raise ValueError(
+            f"TransformerConfig.tensor_model_parallel_size={config.tensor_model_parallel_size} "
+            f"must equal --tsp-size {tsp_size} (TSP occupies the tensor-parallel slot)"
+        )
+    unsupported = {
+        "context_parallel_size": config.context_parallel_size > 1,
+        "attention_output_gate": config.attention_output_gate,
+        "multi_latent_attention": config.multi_latent_attention,
+        "window_size": config.window_size is not None,
+        "fp8": bool(config.fp8),
+    }
+    for name, on in unsupported.items():
+        if on:
+            raise ValueError(f"TSPSelfAttention does not support {name}; turn it off")
+
+
+class TSPSelfAttention(SelfAttention):
+    """Drop-in for megatron's ``SelfAttention`` under TSP (same parameters and checkpoints).
+
+    ``overlap_comm``: broadcast the next head group's weights while this one computes.
+    ``attention_backend``: ``"sdpa"`` (torch; flash/efficient kernels on GPU), ``"flash_attn"``
+    (the flash-attn package) or ``"auto"`` (flash-attn on GPU when installed, else SDPA).
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        submodules: SelfAttentionSubmodules,
+        layer_number: int,
+        attn_mask_type: AttnMaskType = AttnMaskType.causal,
+        cp_comm_type: Optional[str] = None,
+        pg_collection=None,
+        overlap_comm: bool = True,
+        attention_backend: str = "auto",
+    ):
+        group, weight_group = resolve_tsp_groups(pg_collection)
+        check_attention_config(config, group.size(), attn_mask_type)
+        if attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS} (got {attention_backend!r})")
+        super().__init__(config, submodules, layer_number, attn_mask_type, cp_comm_type, pg_collection)
+        if self.tp_group.size() != group.size():
+            raise ValueError("TSPSelfAttention: pg_collection.tp must be the TSP group")
+        self.tsp_group = group
+        self.weight_group = weight_group
+        self.overlap_comm = overlap_comm
+        self.attention_backend = _select_backend(attention_backend)
+        self.softmax_scale = config.softmax_scale or 1.0 / math.sqrt(self.hidden_size_per_attention_head)
+        self.comm_scope = f"layer{self.layer_number}/attention"
+
+    # ---- parameters streamed per head group -------------------------------------------
+    def shard_tensors(self) -> List[torch.Tensor]:
+        """This rank's weight shard, in the order it travels: Wqkv, (bqkv), Wproj."""
+        tensors = [self.linear_qkv.weight]
+        if self.linear_qkv.bias is not None:
+            tensors.append(self.linear_qkv.bias)
+        tensors.append(self.linear_proj.weight)
+        return tensors
+
+    def replicated_parameters(self) -> List[torch.nn.Parameter]:
+        """Parameters every rank holds whole and uses on its own tokens (q/k norms)."""
+        return [p for m in (self.q_layernorm, self.k_layernorm) if m is not None for p in m.parameters()]
+
+    # ---- the two local stages of one head group ----------------------------------------
+    def project_qkv(self, x: torch.Tensor, qkv: Sequence[torch.Tensor], freqs: Optional[torch.Tensor]):
+        """Local tokens -> q [s, b, a/D, d], k and v [s, b, g/D, d] of one head group.
+
+        ``qkv`` is the head group's ``[Wqkv]`` or ``[Wqkv, bqkv]``.
+        """
+        mixed = F.linear(x, *qkv)
+        groups = self.num_query_groups_per_partition
+        heads_per_group = self.num_attention_heads_per_partition // groups
+        d = self.hidden_size_per_attention_head
+        mixed = mixed.view(*mixed.shape[:2], groups, (heads_per_group + 2) * d)
+        query, key, value = torch.split(mixed, [heads_per_group * d, d, d], dim=3)
+        query = query.reshape(*query.shape[:2], -1, d)
+        if self.q_layernorm is not None:
+            query = self.q_layernorm(query)
+        if self.k_layernorm is not None:
+            key = self.k_layernorm(key)
+        if freqs is not None:
+            query = apply_rotary_pos_emb(query, freqs, config=self.config, cp_group=self.pg_collection.cp)
+            key = apply_rotary_pos_emb(key, freqs, config=self.config, cp_group=self.pg_collection.cp)
+        return query, key, value
+
+    def attend_and_project(self, query, keys, values, w_proj, rank: int) -> torch.Tensor:
+        """Causal attention of local queries against the gathered keys, then Wproj_r."""
+        d_size = self.tsp_group.size()
+        chunk = query.size(0) // 2
+        outputs = []
+        for i, global_chunk in enumerate(zigzag.rank_chunks(d_size, rank)):
+            visible = (global_chunk + 1) * chunk  # keys at positions < end of this chunk
+            outputs.append(
+                causal_attention(
+                    query[i * chunk : (i + 1) * chunk], keys[:visible], values[:visible],
+                    self.softmax_scale, self.attention_backend,
+                )
+            )
+        out = torch.cat(outputs, dim=0)
+        return F.linear(out.flatten(2), w_proj)
+
+    # ---- forward -----------------------------------------------------------------------
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        key_value_states: Optional[torch.Tensor] = None,
+        inference_context=None,
+        rotary_pos_emb=None,
+        rotary_pos_cos=None,
+        rotary_pos_sin=None,
+        rotary_pos_cos_sin=None,
+        attention_bias=None,
+        packed_seq_params=None,
+        sequence_len_offset=None,
+        *,
+        inference_params=None,
+    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """``hidden_states``: this rank's ``[S/D, b, h]`` in zigzag order.
+
+        ``attention_mask`` is not read: the mask is causal by global position, as
+        TransformerEngine does for ``AttnMaskType.causal``.
+        """
+        for name, value in (("key_value_states", key_value_states),
+                            ("inference_context", inference_context or inference_params),
+                            ("packed_seq_params", packed_seq_params),
+                            ("attention_bias", attention_bias),
+                            ("rotary_pos_cos/sin", rotary_pos_cos if rotary_pos_cos is not None else rotary_pos_sin)):
+            if value is not None:
+                raise NotImplementedError(f"TSPSelfAttention: {name} is not supported")
+        freqs = None
+        if rotary_pos_emb is not None:
+            if isinstance(rotary_pos_emb, tuple):
+                rotary_pos_emb = rotary_pos_emb[0]
+            d_size, rank = self.tsp_group.size(), self.tsp_group.rank()
+            seq_len = hidden_states.size(0) * d_size
+            if rotary_pos_emb.size(0) < seq_len:
+                raise ValueError(f"rotary table has {rotary_pos_emb.size(0)} positions, sequence has {seq_len}")
+            freqs = rotary_pos_emb[zigzag.local_positions(seq_len, d_size, rank, rotary_pos_emb.device)]
+        output = _TSPAttentionFunction.apply(
+            self, freqs, hidden_states, *self.shard_tensors(), *self.replicated_parameters()
+        )
+        return output, self.linear_proj.bias
+
+
+def _select_backend(name: str) -> str:
+    if name == "auto":
+        return "flash_attn" if torch.cuda.is_available() and _flash_attn_func() is not None else "sdpa"
+    if name == "flash_attn" and _flash_attn_func() is None:
+        raise ValueError("attention_backend='flash_attn' needs the flash-attn package; install it or use 'sdpa'")
+    return name
+
+
+def _flash_attn_func():
+    try:
+        from flash_attn import flash_attn_func
+    except ImportError:
+        return None
+    return flash_attn_func
+
+
+def causal_attention(query, keys, values, scale: float, backend: str = "sdpa") -> torch.Tensor:
+    """Attention of ``sq`` queries that sit at the *end* of ``sk`` keys (causal, lower right).
+
+    query ``[sq, b, hq, d]``, keys/values ``[sk, b, hk, d]`` with hq a multiple of hk (GQA);
+    query i sees keys ``0 .. sk - sq + i``. Returns ``[sq, b, hq, d]``.
+    """
+    if backend == "flash_attn":
+        # flash-attn's causal mask is lower-right aligned and it handles GQA itself.
+        out = _flash_attn_func()(query.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
+                                 softmax_scale=scale, causal=True)
+        return out.transpose(0, 1)
+    from torch.nn.attention.bias import causal_lower_right
+
+    q = query.permute(1, 2, 0, 3)
+    k = keys.permute(1, 2, 0, 3)
+    v = values.permute(1, 2, 0, 3)
+    if k.size(1) != q.size(1):
+        repeat = q.size(1) // k.size(1)
+        k = k.repeat_interleave(repeat, dim=1)
+        v = v.repeat_interleave(repeat, dim=1)
+    mask = causal_lower_right(q.size(2), k.size(2))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return out.permute(2, 0, 1, 3)
+
+
+def _gather_kv(key, value, group, rank_order_to_global: torch.Tensor):
+    """[s/D, b, g, d] x2 -> full-sequence K, V in global (natural) order."""
+    local = torch.stack([key, value])  # [2, s/D, b, g, d]
+    local = local.transpose(0, 1).contiguous()  # sequence first for the gather
+    full = local.new_empty((local.size(0) * group.size(),) + tuple(local.shape[1:]))
+    comm.all_gather(full, local, group)
+    full = full.index_select(0, rank_order_to_global)
+    return full[:, 0], full[:, 1]
+
+
+def _scatter_kv_grads(d_keys, d_values, group, global_to_rank_order: torch.Tensor):
+    """Full-sequence dK, dV (global order) -> this rank's tokens, summed over ranks."""
+    full = torch.stack([d_keys, d_values], dim=1).index_select(0, global_to_rank_order).contiguous()
+    local = full.new_empty((full.size(0) // group.size(),) + tuple(full.shape[1:]))
+    comm.reduce_scatter(local, full, group)
+    return local[:, 0], local[:, 1]
+
+
+class _TSPAttentionFunction(torch.autograd.Function):
+    """y_p = sum_r attn(x_p; W_r) Wproj_r^T with W_r broadcast from rank r (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, layer: TSPSelfAttention, freqs, x, *params):
+        n_shard = len(layer.shard_tensors())
+        own = params[:n_shard]
+        group = layer.tsp_group
+        d_size, rank = group.size(), group.rank()
+        seq_len = x.size(0) * d_size
+        # zigzag.permutation maps rank order -> global positions; gathering in rank order
+        # and indexing with its inverse gives the natural order the causal mask assumes.
+        to_global = zigzag.inverse_permutation(seq_len, d_size, x.device)
+        y = torch.zeros(x.shape[:2] + (layer.config.hidden_size,), dtype=x.dtype, device=x.device)
+        stream = ShardStream(own, layer.weight_group, overlap=layer.overlap_comm)
+        with comm.scope(f"{layer.comm_scope}/forward"):
+            for r, shard in stream:
+                q, k, v = layer.project_qkv(x, shard[:-1], freqs)
+                keys, values = _gather_kv(k, v, group, to_global)
+                y += layer.attend_and_project(q, keys, values, shard[-1], rank)
+        ctx.layer = layer
+        ctx.save_for_backward(freqs, x, *own)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        layer: TSPSelfAttention = ctx.layer
+        freqs, x, *own = ctx.saved_tensors
+        replicated = layer.replicated_parameters()
+        group = layer.tsp_group
+        d_size, rank = group.size(), group.rank()
+        seq_len = x.size(0) * d_size
+        to_global = zigzag.inverse_permutation(seq_len, d_size, x.device)
+        to_rank_order = zigzag.permutation(seq_len, d_size, x.device)
+        dy = dy.contiguous()
+        dx = torch.zeros_like(x)
+        d_replicated = [torch.zeros_like(p) for p in replicated]
+        x_leaf = x.detach().requires_grad_()
+        stream = ShardStream(own, layer.weight_group, overlap=layer.overlap_comm)
+        with comm.scope(f"{layer.comm_scope}/backward"):
+            for r, shard in stream:
+                leaves = [t.detach().requires_grad_() for t in shard]
+                with torch.enable_grad():
+                    q, k, v = layer.project_qkv(x_leaf, leaves[:-1], freqs)
+                keys, values = _gather_kv(k.detach(), v.detach(), group, to_global)
+                q_in, keys, values = (t.detach().requires_grad_() for t in (q, keys, values))
+                with torch.enable_grad():
+                    y_r = layer.attend_and_project(q_in, keys, values, leaves[-1], rank)
+                dq, d_keys, d_values, d_proj = torch.autograd.grad(y_r, (q_in, keys, values, leaves[-1]), dy)
+                del y_r, keys, values
+                dk, dv = _scatter_kv_grads(d_keys, d_values, group, to_rank_order)
+                del d_keys, d_values
+                dx_r, *grads = torch.autograd.grad(
+                    (q, k, v), (x_leaf, *leaves[:-1], *replicated), (dq, dk, dv)
+                )
+                dx += dx_r
+                d_qkv, d_norms = grads[: len(leaves) - 1], grads[len(leaves) - 1 :]
+                for acc, g in zip(d_replicated, d_norms):
+                    acc += g
+                stream.reduce_grad(r, [*d_qkv, d_proj])
+            own_grads = stream.own_grads()
+        return (None, None, dx, *own_grads, *d_replicated)

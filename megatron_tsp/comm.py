@@ -1,0 +1,148 @@
+"""The collectives TSP issues, each counted in bytes.
+
+Every TSP byte on the wire goes through one of the functions below, which call
+``torch.distributed`` on an explicit group (group-local ranks in, global ranks resolved
+here) and record the call in :data:`COUNTER` under the current :func:`scope`
+(for example ``"layer1/attention/forward"``).
+
+What is counted is the *logical* traffic of the primitive seen from this rank, the quantity
+of DESIGN.md section 5, independent of how the backend routes it:
+
+===================  ==================================  =================================
+primitive            received by this rank                sent by this rank
+===================  ==================================  =================================
+broadcast            n (0 on the source)                  (D-1)·n on the source, else 0
+all_gather           (D-1)·n_local                        (D-1)·n_local
+reduce_scatter       (D-1)·n_out                          (D-1)·n_out
+reduce               (D-1)·n on the destination, else 0   n off the destination, else 0
+send / recv          n per recv                           n per send
+===================  ==================================  =================================
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+
+class CommCounter:
+    """Per-scope, per-primitive call and byte counts for this rank."""
+
+    def __init__(self) -> None:
+        self._scopes: List[str] = []
+        self.enabled = True
+        self.reset()
+
+    def reset(self) -> None:
+        self.records: Dict[str, Dict[str, Dict[str, int]]] = defaultdict(
+            lambda: defaultdict(lambda: {"calls": 0, "bytes_sent": 0, "bytes_received": 0})
+        )
+
+    @property
+    def current_scope(self) -> str:
+        return "/".join(self._scopes) or "global"
+
+    def record(self, primitive: str, sent: int, received: int) -> None:
+        if not self.enabled:
+            return
+        entry = self.records[self.current_scope][primitive]
+        entry["calls"] += 1
+        entry["bytes_sent"] += sent
+        entry["bytes_received"] += received
+
+    def as_dict(self) -> Dict[str, Dict[str, Dict[str, int]]]:
+        return {scope: {p: dict(e) for p, e in prims.items()} for scope, prims in self.records.items()}
+
+    def total(self, key: str = "bytes_received", scope_prefix: str = "",
+              scope_suffix: str = "", primitive: Optional[str] = None) -> int:
+        """Sum ``key`` over scopes matching prefix/suffix (and one primitive, if given)."""
+        out = 0
+        for scope, prims in self.records.items():
+            if scope.startswith(scope_prefix) and scope.endswith(scope_suffix):
+                for name, entry in prims.items():
+                    if primitive is None or name == primitive:
+                        out += entry[key]
+        return out
+
+    def primitives(self, scope_prefix: str = "") -> set:
+        return {p for s, prims in self.records.items() if s.startswith(scope_prefix) for p in prims}
+
+
+COUNTER = CommCounter()
+
+
+@contextlib.contextmanager
+def scope(name: str) -> Iterator[None]:
+    """Label the collectives issued inside the block (scopes nest with '/')."""
+    COUNTER._scopes.append(name)
+    try:
+        yield
+    finally:
+        COUNTER._scopes.pop()
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup, async_op: bool = False):
+    """``tensor`` on every rank := ``tensor`` on group rank ``src``."""
+    d = group.size()
+    n = _nbytes(tensor)
+    is_src = group.rank() == src
+    COUNTER.record("broadcast", (d - 1) * n if is_src else 0, 0 if is_src else n)
+    return dist.broadcast(tensor, src=dist.get_global_rank(group, src), group=group, async_op=async_op)
+
+
+def all_gather(output: torch.Tensor, local: torch.Tensor, group: dist.ProcessGroup,
+               async_op: bool = False):
+    """``output`` = concatenation over group ranks of ``local`` along dim 0."""
+    n = (group.size() - 1) * _nbytes(local)
+    COUNTER.record("all_gather", n, n)
+    return _all_gather_single(output, local, group=group, async_op=async_op)
+
+
+def reduce_scatter(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup,
+                   async_op: bool = False):
+    """``output`` on rank r = sum over ranks of the r-th dim-0 slice of ``full``."""
+    n = (group.size() - 1) * _nbytes(output)
+    COUNTER.record("reduce_scatter", n, n)
+    return _reduce_scatter_single(output, full, group=group, async_op=async_op)
+
+
+def reduce(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup, async_op: bool = False):
+    """``tensor`` on group rank ``dst`` := sum over ranks of ``tensor``."""
+    d = group.size()
+    n = _nbytes(tensor)
+    is_dst = group.rank() == dst
+    COUNTER.record("reduce", 0 if is_dst else n, (d - 1) * n if is_dst else 0)
+    return dist.reduce(tensor, dst=dist.get_global_rank(group, dst), group=group, async_op=async_op)
+
+
+def send_recv(sends: Sequence[Tuple[torch.Tensor, int]], recvs: Sequence[Tuple[torch.Tensor, int]],
+              group: dist.ProcessGroup) -> List[dist.Work]:
+    """Start point-to-point sends and receives (group ranks) together; return their handles."""
+    if not sends and not recvs:
+        return []
+    COUNTER.record("send_recv", sum(_nbytes(t) for t, _ in sends), sum(_nbytes(t) for t, _ in recvs))
+    ops = [dist.P2POp(dist.isend, t, dist.get_global_rank(group, peer), group) for t, peer in sends]
+    ops += [dist.P2POp(dist.irecv, t, dist.get_global_rank(group, peer), group) for t, peer in recvs]
+    return dist.batch_isend_irecv(ops)
+
+
+def wait(handles) -> None:
+    """Wait for async handles (a handle, a list, or None). The group's timeout applies."""
+    if handles is None:
+        return
+    for handle in handles if isinstance(handles, (list, tuple)) else (handles,):
+        handle.wait()
+
+
+# torch >= 2.13 renamed the tensor-in/tensor-out collectives; older releases have only the
+# original names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

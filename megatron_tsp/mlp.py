@@ -1,0 +1,139 @@
+"""TSP MLP: weight shards rotate around a ring of point-to-point sends.
+
+Rank p holds its tokens ``x_p: [S/D, b, h]`` and fc1/fc2 shard p in megatron's
+tensor-parallel layout (this class *is* a megatron ``MLP``; only ``forward`` differs). The
+ffn dimension is elementwise, so
+
+    y_p = sum_j act(x_p W1_j^T + b1_j) W2_j^T
+
+exactly, summed over the D shards j as they pass through rank p (shard j = (p - t) mod D at
+step t, sent on to p+1 while the next arrives from p-1). Nothing leaves the rank but weights:
+no all-reduce, no all-gather. Backward runs the ring again, recomputing each shard's
+activation, with a gradient accumulator travelling behind each shard to its owner
+(``streaming.ShardRing``). Saved for backward: ``x_p`` and this rank's own shard.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_tsp import comm
+from megatron_tsp.parallel_state import resolve_tsp_groups
+from megatron_tsp.streaming import ShardRing
+
+
+def check_mlp_config(config: TransformerConfig, tsp_size: int, ffn_hidden_size: int) -> None:
+    """One-line errors for what the TSP MLP does not do; raised at construction."""
+    if ffn_hidden_size % tsp_size:
+        raise ValueError(
+            f"--ffn-hidden-size {ffn_hidden_size} is not divisible by --tsp-size {tsp_size}; "
+            "choose an ffn size that is a multiple of the TSP size"
+        )
+    if tsp_size > 1 and not config.sequence_parallel:
+        raise ValueError("TSP needs sequence_parallel=True (TSP shards the sequence); set --sequence-parallel")
+    if config.tensor_model_parallel_size != tsp_size:
+        raise ValueError(
+            f"TransformerConfig.tensor_model_parallel_size={config.tensor_model_parallel_size} "
+            f"must equal --tsp-size {tsp_size} (TSP occupies the tensor-parallel slot)"
+        )
+    if config.use_te_activation_func or bool(config.fp8):
+        raise ValueError("TSPMLP does not support use_te_activation_func or fp8; turn them off")
+
+
+class TSPMLP(MLP):
+    """Drop-in for megatron's ``MLP`` under TSP (same parameters, init and checkpoints).
+
+    ``overlap_comm``: the next shard travels while this one computes.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        submodules: MLPSubmodules,
+        is_expert: bool = False,
+        input_size: Optional[int] = None,
+        ffn_hidden_size: Optional[int] = None,
+        tp_group: Optional[torch.distributed.ProcessGroup] = None,
+        overlap_comm: bool = True,
+    ):
+        if is_expert:
+            raise ValueError("TSPMLP is a dense MLP; mixture-of-experts is not supported with --tsp-size")
+        group, weight_group = resolve_tsp_groups(group=tp_group)
+        ffn_hidden_size = ffn_hidden_size or config.ffn_hidden_size
+        check_mlp_config(config, group.size(), ffn_hidden_size)
+        super().__init__(config, submodules, False, input_size, ffn_hidden_size, group)
+        self.tsp_group = group
+        self.weight_group = weight_group
+        self.overlap_comm = overlap_comm
+        self.comm_scope = "mlp"
+
+    def set_layer_number(self, layer_number: int) -> None:
+        """Called by megatron's TransformerLayer; names this layer's traffic in comm.COUNTER."""
+        self.comm_scope = f"layer{layer_number}/mlp"
+
+    def shard_tensors(self) -> List[torch.Tensor]:
+        """This rank's shard, in the order it travels: W1, (b1), W2."""
+        tensors = [self.linear_fc1.weight]
+        if self.linear_fc1.bias is not None:
+            tensors.append(self.linear_fc1.bias)
+        tensors.append(self.linear_fc2.weight)
+        return tensors
+
+    def activation(self, h: torch.Tensor) -> torch.Tensor:
+        """megatron's unfused MLP activation (mlp.py, MLP.forward), on one shard."""
+        config = self.config
+        if not config.gated_linear_unit:
+            return self.activation_func(h)
+        x_glu, x_linear = torch.chunk(h, 2, dim=-1)
+        if (val := config.activation_func_clamp_value) is not None:
+            x_glu = x_glu.clamp(min=None, max=val)
+            x_linear = x_linear.clamp(min=-val, max=val)
+        return config.activation_func(x_glu) * (x_linear + config.glu_linear_offset)
+
+    def shard_forward(self, x: torch.Tensor, shard: Sequence[torch.Tensor]) -> torch.Tensor:
+        """act(x W1_j^T + b1_j) W2_j^T for one shard ``[W1, (b1), W2]``."""
+        return F.linear(self.activation(F.linear(x, *shard[:-1])), shard[-1])
+
+    def forward(self, hidden_states: torch.Tensor, per_token_scale=None, **kwargs
+                ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        if per_token_scale is not None:
+            raise NotImplementedError("TSPMLP: per_token_scale (MoE) is not supported")
+        output = _TSPMLPFunction.apply(self, hidden_states, *self.shard_tensors())
+        return output, self.linear_fc2.bias
+
+
+class _TSPMLPFunction(torch.autograd.Function):
+    """y_p = sum_j act(x_p W1_j^T + b1_j) W2_j^T over shards arriving on the ring."""
+
+    @staticmethod
+    def forward(ctx, layer: TSPMLP, x, *own):
+        y = torch.zeros(x.shape[:-1] + (layer.config.hidden_size,), dtype=x.dtype, device=x.device)
+        with comm.scope(f"{layer.comm_scope}/forward"):
+            for _, shard in ShardRing(own, layer.weight_group, overlap=layer.overlap_comm):
+                y += layer.shard_forward(x, shard)
+        ctx.layer = layer
+        ctx.save_for_backward(x, *own)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        layer: TSPMLP = ctx.layer
+        x, *own = ctx.saved_tensors
+        dy = dy.contiguous()
+        x_leaf = x.detach().requires_grad_()
+        dx = torch.zeros_like(x)
+        ring = ShardRing(own, layer.weight_group, overlap=layer.overlap_comm)
+        with comm.scope(f"{layer.comm_scope}/backward"):
+            for _, shard in ring:
+                leaves = [t.detach().requires_grad_() for t in shard]
+                with torch.enable_grad():
+                    y_j = layer.shard_forward(x_leaf, leaves)
+                dx_j, *grads = torch.autograd.grad(y_j, (x_leaf, *leaves), dy)
+                dx += dx_j
+                ring.add_grad(grads)
+        return (None, dx, *ring.own_grads())

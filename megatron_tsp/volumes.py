@@ -1,0 +1,64 @@
+"""Bytes received per rank per layer, from the formulas of DESIGN.md section 5.
+
+Written from the design, not from the code, so that tests can hold the counted traffic of
+the real modules (``comm.COUNTER``) against it, and the performance model can use it at
+sizes no test runs. ``e`` is bytes per element; every result is a dict
+``{"forward": {primitive: bytes}, "backward": {primitive: bytes}}``.
+"""
+
+from __future__ import annotations
+
+from typing import Dict
+
+Volumes = Dict[str, Dict[str, int]]
+
+
+def _share(total: float, d: int) -> int:
+    """What one rank receives of ``total`` bytes spread evenly over D ranks: (D-1)/D."""
+    return int(round(total * (d - 1) / d))
+
+
+def attention_weight_elements(hidden: int, heads: int, groups: int, head_dim: int,
+                              qkv_bias: bool) -> int:
+    """Elements of the streamed attention weights, all D shards: Wqkv (+bqkv) and Wproj."""
+    qkv_out = (heads + 2 * groups) * head_dim
+    return hidden * qkv_out + (qkv_out if qkv_bias else 0) + heads * head_dim * hidden
+
+
+def mlp_weight_elements(hidden: int, ffn: int, gated: bool, fc1_bias: bool) -> int:
+    """Elements of the streamed MLP weights, all D shards: W1 (+b1) and W2."""
+    fc1_out = ffn * (2 if gated else 1)
+    return hidden * fc1_out + (fc1_out if fc1_bias else 0) + ffn * hidden
+
+
+def tsp_attention(seq: int, batch: int, hidden: int, heads: int, groups: int, head_dim: int,
+                  tsp: int, e: int, qkv_bias: bool = False) -> Volumes:
+    """Weights by broadcast, K/V by all-gather; backward re-broadcasts, re-gathers K/V,
+    reduce-scatters dK/dV and reduces dW to the owner."""
+    weights = _share(e * attention_weight_elements(hidden, heads, groups, head_dim, qkv_bias), tsp)
+    kv = _share(e * 2 * seq * batch * groups * head_dim, tsp)
+    return {
+        "forward": {"broadcast": weights, "all_gather": kv},
+        "backward": {"broadcast": weights, "all_gather": kv, "reduce_scatter": kv, "reduce": weights},
+    }
+
+
+def tsp_mlp(hidden: int, ffn: int, tsp: int, e: int, gated: bool = False,
+            fc1_bias: bool = False) -> Volumes:
+    """Weights around the ring; backward: weights again plus the travelling gradients."""
+    weights = _share(e * mlp_weight_elements(hidden, ffn, gated, fc1_bias), tsp)
+    return {"forward": {"send_recv": weights}, "backward": {"send_recv": 2 * weights}}
+
+
+def tp_sp_layer(seq: int, batch: int, hidden: int, tp: int, e: int) -> Volumes:
+    """Megatron TP+SP: all-gather before and reduce-scatter after attention and MLP.
+
+    Backward mirrors them (reduce-scatter dX of each gather, all-gather dY of each scatter)
+    and all-gathers the column-parallel inputs once more for the weight gradients, because
+    megatron saves only the local sequence shard.
+    """
+    act = _share(e * seq * batch * hidden, tp)
+    return {
+        "forward": {"all_gather": 2 * act, "reduce_scatter": 2 * act},
+        "backward": {"all_gather": 4 * act, "reduce_scatter": 2 * act},
+    }

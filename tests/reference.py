@@ -1,0 +1,102 @@
+"""Single-process megatron-core reference modules inside a multi-rank job, and comparisons.
+
+Every TSP module is checked against the stock megatron-core module at world size 1, built
+from the same seed with ``use_cpu_initialization`` (so that the TSP shards are exact slices
+of the reference's full weights). The reference runs redundantly on every rank, over a
+process group of size one.
+"""
+
+import torch
+import torch.distributed as dist
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_tsp import zigzag
+
+
+def solo_pg_collection() -> ProcessGroupCollection:
+    """tp and cp groups of size one (collective: call on every rank)."""
+    mine, _ = dist.new_subgroups(group_size=1)
+    return ProcessGroupCollection(tp=mine, cp=mine)
+
+
+def configs(tsp_size, dtype=torch.float32, **kwargs):
+    """(reference config at world 1, TSP config at size D) for the same model."""
+    common = dict(
+        num_layers=1, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
+        use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
+        params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+    )
+    common.update(kwargs)
+    ref = TransformerConfig(**common)
+    tsp = TransformerConfig(**common, tensor_model_parallel_size=tsp_size,
+                            sequence_parallel=tsp_size > 1)
+    return ref, tsp
+
+
+def rotary_table(config: TransformerConfig, seq_len: int, cp_group) -> torch.Tensor:
+    rope = RotaryEmbedding(config.kv_channels, rotary_percent=1.0, use_cpu_initialization=True,
+                           cp_group=cp_group)
+    return rope(seq_len)
+
+
+def local_rows(full: torch.Tensor, group) -> torch.Tensor:
+    """This rank's tokens of a full ``[S, ...]`` tensor, in zigzag order."""
+    d = group.size()
+    return full.index_select(0, zigzag.local_positions(full.size(0), d, group.rank()))
+
+
+def shard_of(full: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """Megatron's stride-1 tensor-parallel shard of ``full`` along ``dim``."""
+    return full.chunk(group.size(), dim=dim)[group.rank()]
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """max |a - b| / max |b|: the error relative to the reference's scale."""
+    actual, expected = actual.double(), expected.double()
+    return float((actual - expected).abs().max() / expected.abs().max().clamp(min=1e-30))
+
+
+def summed(t: torch.Tensor, group) -> torch.Tensor:
+    """Sum of a replicated parameter's partial gradients over the group."""
+    t = t.clone()
+    dist.all_reduce(t, group=group)
+    return t
+
+
+class SavedBytes:
+    """Bytes of every tensor autograd saves for backward inside the block.
+
+    ``largest_activation``: elements of the largest saved tensor that is not a parameter.
+    """
+
+    def __init__(self):
+        self.total = 0
+        self.largest_activation = 0
+        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, t):
+        self.total += t.numel() * t.element_size()
+        if not isinstance(t, torch.nn.Parameter):
+            self.largest_activation = max(self.largest_activation, t.numel())
+        return t
+
+    def __enter__(self):
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._ctx.__exit__(*exc)
+
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
+
+
+def init_tsp(tsp_size: int, **kwargs) -> None:
+    """TSP groups plus megatron's RNG tracker (stock attention forks it)."""
+    import megatron_tsp
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    megatron_tsp.initialize_model_parallel(tsp_size=tsp_size, **kwargs)
+    model_parallel_cuda_manual_seed(1234)
