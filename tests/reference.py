@@ -68,17 +68,19 @@ def summed(t: torch.Tensor, group) -> torch.Tensor:
 class SavedBytes:
     """Bytes of every tensor autograd saves for backward inside the block.
 
-    ``largest_activation``: elements of the largest saved tensor that is not a parameter.
+    ``largest_activation``: elements of the largest saved tensor that is not one of the
+    ``parameters`` (matched by storage).
     """
 
-    def __init__(self):
+    def __init__(self, parameters=()):
         self.total = 0
         self.largest_activation = 0
+        self._params = {p.data_ptr() for p in parameters}
         self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
     def _pack(self, t):
         self.total += t.numel() * t.element_size()
-        if not isinstance(t, torch.nn.Parameter):
+        if t.data_ptr() not in self._params:
             self.largest_activation = max(self.largest_activation, t.numel())
         return t
 

@@ -135,7 +135,7 @@ def _saved_and_counted(tsp_size, seq):
     group = megatron_tsp.get_tsp_group()
     x = local_rows(x_full, group).clone().requires_grad_()
     comm.COUNTER.reset()
-    with SavedBytes() as saved:
+    with SavedBytes(tsp.parameters()) as saved:
         out, _ = tsp(x, None, rotary_pos_emb=table)
     out.backward(torch.ones_like(out))
     shard_bytes = sum(t.numel() * t.element_size() for t in tsp.shard_tensors())

@@ -1,0 +1,142 @@
+"""TSPMLP against stock megatron-core MLP at world size 1."""
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+
+import megatron_tsp
+from megatron_tsp import comm, volumes
+from megatron_tsp.mlp import TSPMLP
+from reference import (TOLERANCE, SavedBytes, configs, init_tsp, local_rows, rel_err, shard_of,
+                       solo_pg_collection, summed)
+
+SEQ, BATCH, HIDDEN, FFN = 16, 2, 32, 64
+SUBMODULES = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+
+
+def _build(tsp_size, dtype, swiglu, bias, overlap=True):
+    act = dict(gated_linear_unit=True, activation_func=F.silu) if swiglu else dict(activation_func=F.gelu)
+    ref_cfg, tsp_cfg = configs(tsp_size, dtype, hidden_size=HIDDEN, ffn_hidden_size=FFN, num_attention_heads=8,
+                               add_bias_linear=bias, **act)
+    solo = solo_pg_collection()
+    torch.manual_seed(0)
+    ref = MLP(ref_cfg, SUBMODULES, ffn_hidden_size=FFN, tp_group=solo.tp)
+    torch.manual_seed(0)
+    tsp = TSPMLP(tsp_cfg, SUBMODULES, ffn_hidden_size=FFN, overlap_comm=overlap)
+    return ref, tsp
+
+
+def _fc1_shard(full, swiglu, group):
+    """megatron's fc1 shard: gated fc1 is [gate; up] with stride 2, so each rank holds a
+    slice of the gate rows and the same slice of the up rows."""
+    if not swiglu:
+        return shard_of(full, 0, group)
+    gate, up = full.chunk(2, dim=0)
+    return torch.cat([shard_of(gate, 0, group), shard_of(up, 0, group)])
+
+
+def _inputs(dtype):
+    g = torch.Generator().manual_seed(1)
+    return (torch.randn(SEQ, BATCH, HIDDEN, generator=g).to(dtype),
+            torch.randn(SEQ, BATCH, HIDDEN, generator=g).to(dtype))
+
+
+def _run_tsp(tsp, x_full, dy_full, saved=None):
+    """Forward (with ``saved`` counting what it keeps for backward), then backward."""
+    group = megatron_tsp.get_tsp_group()
+    x = local_rows(x_full, group).clone().requires_grad_()
+    with saved or SavedBytes():
+        out, bias = tsp(x)
+    out.backward(local_rows(dy_full, group))
+    return out, bias, x
+
+
+def _one_case(tsp_size, dtype, swiglu, bias):
+    group = megatron_tsp.get_tsp_group()
+    ref, tsp = _build(tsp_size, dtype, swiglu, bias)
+    x_full, dy_full = _inputs(dtype)
+    x_ref = x_full.clone().requires_grad_()
+    out_ref, bias_ref = ref(x_ref)
+    out_ref.backward(dy_full)
+    out, out_bias, x = _run_tsp(tsp, x_full, dy_full)
+
+    assert torch.equal(tsp.linear_fc1.weight, _fc1_shard(ref.linear_fc1.weight, swiglu, group))
+    assert torch.equal(tsp.linear_fc2.weight, shard_of(ref.linear_fc2.weight, 1, group))
+    errors = {
+        "output": rel_err(out, local_rows(out_ref, group)),
+        "dx": rel_err(x.grad, local_rows(x_ref.grad, group)),
+        "dW1": rel_err(tsp.linear_fc1.weight.grad, _fc1_shard(ref.linear_fc1.weight.grad, swiglu, group)),
+        "dW2": rel_err(tsp.linear_fc2.weight.grad, shard_of(ref.linear_fc2.weight.grad, 1, group)),
+    }
+    if bias:
+        errors["db1"] = rel_err(tsp.linear_fc1.bias.grad, _fc1_shard(ref.linear_fc1.bias.grad, swiglu, group))
+        assert out_bias is tsp.linear_fc2.bias and torch.equal(out_bias, bias_ref)
+        (out_bias * local_rows(dy_full, group).sum((0, 1))).sum().backward()
+        (bias_ref * dy_full.sum((0, 1))).sum().backward()
+        errors["db2"] = rel_err(summed(tsp.linear_fc2.bias.grad, group), ref.linear_fc2.bias.grad)
+    else:
+        assert out_bias is None and bias_ref is None
+    return errors
+
+
+def _all_cases(tsp_size, dtype):
+    init_tsp(tsp_size)
+    return [((swiglu, bias), _one_case(tsp_size, dtype, swiglu, bias))
+            for swiglu, bias in itertools.product((False, True), (False, True))]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("tsp_size", [1, 2, 4, 8])
+def test_matches_stock_mlp(ranks, tsp_size, dtype):
+    tol = TOLERANCE[dtype]
+    failures = []
+    for rank_result in ranks(tsp_size, _all_cases, tsp_size, dtype):
+        for case, errors in rank_result:
+            bad = {k: v for k, v in errors.items() if not v <= tol}
+            if bad:
+                failures.append((case, bad))
+    assert not failures, failures
+
+
+def _overlap_determinism_and_traffic(tsp_size):
+    init_tsp(tsp_size)
+    results, traffic = [], []
+    for overlap in (True, False, True):
+        _, tsp = _build(tsp_size, torch.float32, swiglu=True, bias=True, overlap=overlap)
+        x_full, dy_full = _inputs(torch.float32)
+        comm.COUNTER.reset()
+        saved = SavedBytes(tsp.parameters())
+        out, _, x = _run_tsp(tsp, x_full, dy_full, saved)
+        results.append([out.detach(), x.grad] + [p.grad for p in tsp.shard_tensors()])
+        traffic.append(comm.COUNTER.as_dict())
+    same = [all(torch.equal(a, b) for a, b in zip(results[0], other)) for other in results[1:]]
+    shard_bytes = sum(t.numel() * t.element_size() for t in tsp.shard_tensors())
+    return same, traffic[0], saved.total, saved.largest_activation, shard_bytes
+
+
+@pytest.mark.parametrize("tsp_size", [1, 4])
+def test_overlap_determinism_traffic_and_saved_memory(ranks, tsp_size):
+    (_, _, single, _, _), = ranks(1, _overlap_determinism_and_traffic, 1)
+    expected = volumes.tsp_mlp(hidden=HIDDEN, ffn=FFN, tsp=tsp_size, e=4, gated=True, fc1_bias=True)
+    for same, traffic, saved, largest, shard_bytes in ranks(tsp_size, _overlap_determinism_and_traffic, tsp_size):
+        assert same == [True, True]
+        # only point-to-point: no all-reduce, no all-gather, no collective of any kind
+        assert {p for prims in traffic.values() for p in prims} <= {"send_recv"}
+        if tsp_size > 1:
+            for phase, prims in expected.items():
+                got = {p: v["bytes_received"] for p, v in traffic[f"mlp/{phase}"].items()}
+                assert got == prims, (phase, got, prims)
+        assert saved <= single / tsp_size + 2 * shard_bytes
+        assert largest <= SEQ * BATCH * HIDDEN // tsp_size
+
+
+def test_indivisible_ffn_is_a_clear_error():
+    from megatron_tsp.mlp import check_mlp_config
+
+    _, cfg = configs(4, ffn_hidden_size=66)
+    with pytest.raises(ValueError, match="--ffn-hidden-size 66 is not divisible by --tsp-size 4"):
+        check_mlp_config(cfg, 4, 66)
