@@ -9,7 +9,8 @@ setup(
     packages=find_packages(include=["megatron_tsp", "megatron_tsp.*"]),
     python_requires=">=3.10",
     # torch: any build >= 2.6 (CUDA, ROCm or CPU) that the user installed; we never pin one.
-    install_requires=["megatron-core>=0.16,<0.17", "torch>=2.6", "pyyaml"],
+    # psutil: megatron-core's dist_checkpointing writer needs it and does not declare it.
+    install_requires=["megatron-core>=0.16,<0.17", "torch>=2.6", "pyyaml", "psutil"],
     extras_require={
         "test": ["pytest"],
         "plot": ["matplotlib"],

@@ -31,50 +31,11 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_tsp import comm, zigzag
+from megatron_tsp.checks import check_attention_config
 from megatron_tsp.parallel_state import resolve_tsp_groups
-from megatron_tsp.streaming import ShardStream, pack, unpack
+from megatron_tsp.streaming import ShardStream
 
 ATTENTION_BACKENDS = ("auto", "sdpa", "flash_attn")
-
-
-def check_attention_config(config: TransformerConfig, tsp_size: int,
-                           attn_mask_type: AttnMaskType = AttnMaskType.causal) -> None:
-    """One-line errors for what TSP attention does not do; raised at construction."""
-    if attn_mask_type != AttnMaskType.causal:
-        raise ValueError(f"TSPSelfAttention supports causal attention only (got {attn_mask_type.name})")
-    if config.attention_dropout > 0:
-        raise ValueError(
-            f"TSPSelfAttention does not support attention dropout (got {config.attention_dropout}); "
-            "set --attention-dropout 0"
-        )
-    if config.num_attention_heads % tsp_size:
-        raise ValueError(
-            f"--num-attention-heads {config.num_attention_heads} is not divisible by "
-            f"--tsp-size {tsp_size}; choose a TSP size that divides the head count"
-        )
-    groups = config.num_query_groups or config.num_attention_heads
-    if groups % tsp_size:
-        raise ValueError(
-            f"--num-query-groups {groups} is not divisible by --tsp-size {tsp_size}; "
-            "TSP gives every rank whole KV heads"
-        )
-    if tsp_size > 1 and not config.sequence_parallel:
-        raise ValueError("TSP needs sequence_parallel=True (TSP shards the sequence); set --sequence-parallel")
-    if config.tensor_model_parallel_size != tsp_size:
-        raise ValueError(
-            f"TransformerConfig.tensor_model_parallel_size={config.tensor_model_parallel_size} "
-            f"must equal --tsp-size {tsp_size} (TSP occupies the tensor-parallel slot)"
-        )
-    unsupported = {
-        "context_parallel_size": config.context_parallel_size > 1,
-        "attention_output_gate": config.attention_output_gate,
-        "multi_latent_attention": config.multi_latent_attention,
-        "window_size": config.window_size is not None,
-        "fp8": bool(config.fp8),
-    }
-    for name, on in unsupported.items():
-        if on:
-            raise ValueError(f"TSPSelfAttention does not support {name}; turn it off")
 
 
 class TSPSelfAttention(SelfAttention):

@@ -120,6 +120,12 @@ SHIMS: Sequence[_Rewrite] = (
     _Rewrite("megatron.core.models.common.embeddings.rope_utils", "get_pos_emb_on_this_cp_rank",
              (("pin_memory=True", "pin_memory=False"), (".cuda(non_blocking=True)", "")),
              "models/common/embeddings/rope_utils.py:62"),
+    # Pipeline parallel with tied embeddings: the last stage's copy is moved to cuda before
+    # the first/last-stage all-reduce (not in DESIGN.md section 8's list).
+    _Rewrite("megatron.core.models.common.language_module.language_module",
+             "LanguageModule.setup_embeddings_and_output_layer",
+             (("weight.data = weight.data.cuda()", "weight.data = weight.data"),),
+             "models/common/language_module/language_module.py:244"),
     # Token counters of the pipeline schedules.
     *(
         _Rewrite("megatron.core.pipeline_parallel.schedules", name,
@@ -179,6 +185,10 @@ def _cpu_set_rng_state(new_state: torch.Tensor, device=-1, graph_safe: bool = Fa
 
 def _cpu_current_device() -> torch.device:
     return torch.device("cpu")
+
+
+def _cpu_synchronize(device=None) -> None:
+    """CPU work is synchronous: nothing to wait for."""
 
 
 def _patch_rng() -> None:
@@ -242,6 +252,9 @@ def enable_cpu_support() -> bool:
     # distributed/param_and_grad_buffer.py:783/800/806 and every other
     # `device=torch.cuda.current_device()` allocate on the current device: name the CPU.
     torch.cuda.current_device = _cpu_current_device
+    # pipeline_parallel/p2p_communication.py:242/398 (batch_p2p_sync) and DDP's
+    # free/allocate paths call torch.cuda.synchronize().
+    torch.cuda.synchronize = _cpu_synchronize
     _patch_rng()
     _patch_torch_norm()
     for shim in SHIMS:

@@ -76,7 +76,10 @@ def _worker(rank: int, world_size: int, port: int, conn: Connection, path: List[
     init_gloo(rank, world_size, port, collective_timeout_s)
     conn.send(("ready", None))
     while True:
-        task = conn.recv()
+        try:
+            task = conn.recv()
+        except EOFError:  # the parent is gone: do not linger
+            break
         if task is None:
             break
         fn, args, kwargs = task
@@ -108,7 +111,9 @@ class WorkerPool:
             proc = ctx.Process(
                 target=_worker,
                 args=(rank, world_size, port, child, list(sys.path), collective_timeout_s),
-                daemon=True,
+                # not daemonic: megatron's checkpoint writer starts processes of its own.
+                # A worker exits when its pipe to the parent closes.
+                daemon=False,
             )
             proc.start()
             child.close()

@@ -23,26 +23,9 @@ from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_tsp import comm
+from megatron_tsp.checks import check_mlp_config
 from megatron_tsp.parallel_state import resolve_tsp_groups
 from megatron_tsp.streaming import ShardRing
-
-
-def check_mlp_config(config: TransformerConfig, tsp_size: int, ffn_hidden_size: int) -> None:
-    """One-line errors for what the TSP MLP does not do; raised at construction."""
-    if ffn_hidden_size % tsp_size:
-        raise ValueError(
-            f"--ffn-hidden-size {ffn_hidden_size} is not divisible by --tsp-size {tsp_size}; "
-            "choose an ffn size that is a multiple of the TSP size"
-        )
-    if tsp_size > 1 and not config.sequence_parallel:
-        raise ValueError("TSP needs sequence_parallel=True (TSP shards the sequence); set --sequence-parallel")
-    if config.tensor_model_parallel_size != tsp_size:
-        raise ValueError(
-            f"TransformerConfig.tensor_model_parallel_size={config.tensor_model_parallel_size} "
-            f"must equal --tsp-size {tsp_size} (TSP occupies the tensor-parallel slot)"
-        )
-    if config.use_te_activation_func or bool(config.fp8):
-        raise ValueError("TSPMLP does not support use_te_activation_func or fp8; turn them off")
 
 
 class TSPMLP(MLP):

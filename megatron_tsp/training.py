@@ -64,7 +64,8 @@ def masked_mean_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     losses = output_tensor.float().view(-1)
     mask = loss_mask.float().view(-1)
     loss = torch.sum(losses * mask) / mask.sum().clamp(min=1.0)
-    return loss, {"lm loss": loss.detach()}
+    # clone: the schedule divides the returned loss in place by the micro-batch count
+    return loss, {"lm loss": loss.detach().clone()}
 
 
 def make_forward_step(batch_transform: Optional[Callable[[Batch], Batch]] = None):

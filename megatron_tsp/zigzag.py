@@ -66,3 +66,27 @@ def to_zigzag(x: torch.Tensor, tsp_size: int, dim: int) -> torch.Tensor:
 def from_zigzag(x: torch.Tensor, tsp_size: int, dim: int) -> torch.Tensor:
     """Undo :func:`to_zigzag`."""
     return x.index_select(dim, inverse_permutation(x.size(dim), tsp_size, x.device))
+
+
+SEQUENCE_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+
+
+def zigzag_batch(batch: dict, tsp_size: int) -> dict:
+    """A ``forward_step`` batch with every sequence-shaped tensor in zigzag order.
+
+    ``tokens``, ``labels``, ``loss_mask`` and ``position_ids`` are ``[b, s]``;
+    ``attention_mask`` (``[b, 1, s, s]`` or None) is permuted on both sequence dimensions.
+    Fed to a stock ``GPTModel`` with the TSP spec, megatron's sequence-parallel embedding
+    hands TSP rank r its chunks r and 2D-1-r; learned absolute positions follow the
+    permuted ``position_ids`` and TSP attention picks its RoPE rows by global position.
+    """
+    if tsp_size == 1:
+        return batch
+    out = dict(batch)
+    for key in SEQUENCE_KEYS:
+        if out.get(key) is not None:
+            out[key] = to_zigzag(out[key], tsp_size, dim=1)
+    mask = out.get("attention_mask")
+    if mask is not None:
+        out["attention_mask"] = to_zigzag(to_zigzag(mask, tsp_size, dim=-1), tsp_size, dim=-2)
+    return out

@@ -1,30 +1,44 @@
-"""Tiny GPT models and batches shared by the tests (built the same way for every mode)."""
+"""Tiny GPT models trained the same way in every parallel mode (shared by the tests).
+
+``run(mode, model, ...)`` executes inside one rank of a pool: it sets up the process groups,
+builds megatron-core's GPTModel with the stock local spec (``single``, ``tp``) or the TSP
+spec (``tsp``), wraps it in megatron DDP with the distributed optimizer and trains a few
+Adam steps through ``get_forward_backward_func``. Data-parallel replicas take disjoint
+micro-batches of the same global batch, so every mode sees the same data.
+"""
 
 import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state as mpu
 from megatron.core.distributed import DistributedDataParallelConfig
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_tsp import training
+import megatron_tsp
+from megatron_tsp import checkpointing, training, zigzag_batch
 
 VOCAB = 128
 SEQ = 32
 MICRO_BATCH = 2
 SEED = 1234
 
+MODELS = {
+    # RoPE, GQA, SwiGLU, RMSNorm, no bias
+    "modern": (dict(num_query_groups=4, gated_linear_unit=True, activation_func=F.silu,
+                    normalization="RMSNorm", add_bias_linear=False), "rope"),
+    # GELU, LayerNorm, bias, learned absolute positions
+    "classic": (dict(activation_func=F.gelu, normalization="LayerNorm", add_bias_linear=True),
+                "learned_absolute"),
+}
+
 
 def tiny_config(**overrides) -> TransformerConfig:
     kwargs = dict(
-        num_layers=2,
-        hidden_size=64,
-        num_attention_heads=4,
-        ffn_hidden_size=128,
-        use_cpu_initialization=True,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        params_dtype=torch.float32,
-        pipeline_dtype=torch.float32,
+        num_layers=2, hidden_size=64, num_attention_heads=8, ffn_hidden_size=128,
+        use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
+        params_dtype=torch.float32, pipeline_dtype=torch.float32,
     )
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
@@ -38,44 +52,74 @@ def batches(n, seq=SEQ, micro_batch=MICRO_BATCH, vocab=VOCAB, seed=0):
         tokens = torch.randint(0, vocab, (micro_batch, seq + 1), generator=g)
         loss_mask = torch.ones(micro_batch, seq)
         loss_mask[:, -seq // 4 :] = 0.0
-        out.append(
-            {
-                "tokens": tokens[:, :-1].contiguous(),
-                "labels": tokens[:, 1:].contiguous(),
-                "loss_mask": loss_mask,
-                "position_ids": torch.arange(seq).unsqueeze(0).expand(micro_batch, -1).contiguous(),
-                "attention_mask": None,
-            }
-        )
+        out.append({
+            "tokens": tokens[:, :-1].contiguous(),
+            "labels": tokens[:, 1:].contiguous(),
+            "loss_mask": loss_mask,
+            "position_ids": torch.arange(seq).unsqueeze(0).expand(micro_batch, -1).contiguous(),
+            "attention_mask": None,
+        })
     return out
 
 
-def train(config, layer_spec, steps=3, num_microbatches=1, position_embedding_type="rope",
-          use_distributed_optimizer=True, batch_transform=None, lr=1e-3):
-    """Train from ``SEED`` for ``steps`` Adam steps; return [(loss, grad_norm), ...]."""
+def setup(mode, model="modern", tsp=1, tp=1, pp=1, recompute=None, overlap_grad_reduce=False,
+          use_distributed_optimizer=True):
+    """Process groups, model (DDP-wrapped chunks), optimizer and batch transform for a mode."""
+    size = tsp if mode == "tsp" else tp
+    if mode == "tsp":
+        megatron_tsp.initialize_model_parallel(tsp_size=tsp, pipeline_model_parallel_size=pp)
+    else:
+        megatron_tsp.initialize_model_parallel(tensor_model_parallel_size=tp,
+                                               pipeline_model_parallel_size=pp)
+    overrides, position_embedding_type = MODELS[model]
+    extra = {}
+    if recompute:
+        extra = dict(recompute_granularity=recompute)
+        if recompute == "full":
+            extra.update(recompute_method="uniform", recompute_num_layers=1)
+    config = tiny_config(**overrides, **extra, tensor_model_parallel_size=size,
+                         pipeline_model_parallel_size=pp,
+                         sequence_parallel=mode == "tsp" and tsp > 1 or mode == "tp-sp")
+    spec = megatron_tsp.get_gpt_layer_tsp_spec() if mode == "tsp" else get_gpt_layer_local_spec(
+        normalization=config.normalization)
     torch.manual_seed(SEED)
     model_parallel_cuda_manual_seed(SEED)
-    model = training.build_model(
-        config, layer_spec, VOCAB, SEQ, position_embedding_type=position_embedding_type,
-        ddp_config=DistributedDataParallelConfig(use_distributed_optimizer=use_distributed_optimizer),
+    chunks = training.build_model(
+        config, spec, VOCAB, SEQ, position_embedding_type=position_embedding_type,
+        ddp_config=DistributedDataParallelConfig(use_distributed_optimizer=use_distributed_optimizer,
+                                                 overlap_grad_reduce=overlap_grad_reduce),
     )
     optimizer = training.build_optimizer(
-        model,
-        OptimizerConfig(optimizer="adam", lr=lr, clip_grad=1.0, weight_decay=0.01,
-                        use_distributed_optimizer=use_distributed_optimizer),
-    )
-    history = []
-    for _ in range(steps):
-        result = training.train_step(
-            model, optimizer, batches(num_microbatches), num_microbatches,
-            SEQ, MICRO_BATCH, batch_transform=batch_transform,
-        )
-        history.append((result["loss"], result["grad_norm"]))
-    return history
+        chunks, OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=1.0, weight_decay=0.01,
+                                use_distributed_optimizer=use_distributed_optimizer))
+    transform = (lambda b: zigzag_batch(b, tsp)) if mode == "tsp" else None
+    return chunks, optimizer, transform
+
+
+def step(chunks, optimizer, transform, global_microbatches=2, seed=0):
+    """One training step on this rank's share of a fixed global batch."""
+    dp, dp_rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
+    mine = batches(global_microbatches, seed=seed)[dp_rank::dp]
+    result = training.train_step(chunks, optimizer, mine, len(mine), SEQ, MICRO_BATCH,
+                                 batch_transform=transform)
+    return result["loss"], result["grad_norm"]
+
+
+def run(mode, model="modern", steps=3, global_microbatches=2, load=None, save=None, **setup_kwargs):
+    """Train ``steps`` steps; return [(loss, grad_norm), ...] (the same on every rank).
+
+    ``load``: start from this checkpoint's weights; ``save``: checkpoint the weights first.
+    """
+    chunks, optimizer, transform = setup(mode, model, **setup_kwargs)
+    if load:
+        checkpointing.load(load, chunks)
+    if save:
+        checkpointing.save(save, chunks)
+    return [step(chunks, optimizer, transform, global_microbatches) for _ in range(steps)]
 
 
 def assert_history_close(actual, expected, rtol=1e-5):
     assert len(actual) == len(expected)
-    for step, ((loss, gn), (ref_loss, ref_gn)) in enumerate(zip(actual, expected)):
-        assert abs(loss - ref_loss) <= rtol * abs(ref_loss), f"step {step}: loss {loss} vs {ref_loss}"
-        assert abs(gn - ref_gn) <= rtol * abs(ref_gn), f"step {step}: grad norm {gn} vs {ref_gn}"
+    for i, ((loss, gn), (ref_loss, ref_gn)) in enumerate(zip(actual, expected)):
+        assert abs(loss - ref_loss) <= rtol * abs(ref_loss), f"step {i}: loss {loss} vs {ref_loss}"
+        assert abs(gn - ref_gn) <= rtol * abs(ref_gn), f"step {i}: grad norm {gn} vs {ref_gn}"

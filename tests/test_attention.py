@@ -164,7 +164,7 @@ def test_counted_bytes_match_design_formula(ranks, tsp_size):
 
 
 def _bad_configs():
-    from megatron_tsp.attention import check_attention_config
+    from megatron_tsp.checks import check_attention_config
 
     messages = []
     for change in (dict(), dict(attention_dropout=0.1)):

@@ -135,7 +135,7 @@ def test_overlap_determinism_traffic_and_saved_memory(ranks, tsp_size):
 
 
 def test_indivisible_ffn_is_a_clear_error():
-    from megatron_tsp.mlp import check_mlp_config
+    from megatron_tsp.checks import check_mlp_config
 
     _, cfg = configs(4, ffn_hidden_size=66)
     with pytest.raises(ValueError, match="--ffn-hidden-size 66 is not divisible by --tsp-size 4"):

@@ -1,0 +1,88 @@
+"""Layer and block specs: TSP modules where megatron's local spec has SelfAttention and MLP.
+
+Parameters, initialisation and checkpoint keys are those of ``get_gpt_layer_local_spec``, so
+a TSP checkpoint and a TP(+SP) checkpoint of the same model hold the same tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.attention import SelfAttentionSubmodules
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLPSubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+from megatron_tsp.attention import TSPSelfAttention
+from megatron_tsp.mlp import TSPMLP
+from megatron_tsp.norm import TSPNorm
+
+
+def get_gpt_layer_tsp_spec(
+    qk_layernorm: bool = False,
+    overlap_comm: bool = True,
+    attention_backend: str = "auto",
+) -> ModuleSpec:
+    """A ``TransformerLayer`` spec with TSP attention and MLP.
+
+    The norm type (LayerNorm/RMSNorm) follows ``config.normalization``, as megatron's norms do.
+    ``core_attention`` stays in the spec (unused by TSP) because Megatron-LM's builder may
+    write to ``spec.submodules.self_attention.submodules.core_attention``.
+    """
+    qk_norm = TSPNorm if qk_layernorm else IdentityOp
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=TSPNorm,
+            self_attention=ModuleSpec(
+                module=TSPSelfAttention,
+                params={
+                    "attn_mask_type": AttnMaskType.causal,
+                    "overlap_comm": overlap_comm,
+                    "attention_backend": attention_backend,
+                },
+                submodules=SelfAttentionSubmodules(
+                    linear_qkv=ColumnParallelLinear,
+                    core_attention=DotProductAttention,
+                    linear_proj=RowParallelLinear,
+                    q_layernorm=qk_norm,
+                    k_layernorm=qk_norm,
+                ),
+            ),
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=TSPNorm,
+            mlp=ModuleSpec(
+                module=TSPMLP,
+                params={"overlap_comm": overlap_comm},
+                submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+            ),
+            mlp_bda=get_bias_dropout_add,
+            sharded_state_dict_keys_map={
+                "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+                "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
+            },
+        ),
+    )
+
+
+def get_gpt_block_tsp_spec(
+    config: TransformerConfig,
+    vp_stage: Optional[int] = None,
+    pp_rank: Optional[int] = None,
+    **layer_kwargs,
+) -> TransformerBlockSubmodules:
+    """The block spec for this pipeline stage: TSP layers and a TSP final norm.
+
+    Prefer it to a bare layer spec on GPUs without TransformerEngine or apex, where
+    megatron's default final norm (torch) refuses sequence parallelism.
+    """
+    layer = get_gpt_layer_tsp_spec(**layer_kwargs)
+    num_layers = get_num_layers_to_build(config, vp_stage, pp_rank)
+    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=TSPNorm)
