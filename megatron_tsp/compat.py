@@ -156,6 +156,11 @@ SHIMS: Sequence[_Rewrite] = (
              (("'torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor'",
                "'torch.HalfTensor', 'torch.BFloat16Tensor'"),),
              "optimizer/distrib_optimizer.py:582"),
+    # Optimizer state in the resharding checkpoint format is gathered on DP rank 0 via cuda
+    # (not in DESIGN.md section 8's list).
+    _Rewrite("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.get_parameter_state_dp_zero",
+             (("send_tensor = send_tensor.cuda()", "send_tensor = send_tensor"),),
+             "optimizer/distrib_optimizer.py:1089"),
     # Gradient norm and clipping.
     _Rewrite("megatron.core.optimizer.clip_grads", "get_grad_norm_fp32",
              ((f"device={_CUDA_Q}", "device='cpu'"),), "optimizer/clip_grads.py:90/103/115"),
@@ -173,6 +178,40 @@ SHIMS: Sequence[_Rewrite] = (
               ("torch.cuda.manual_seed(seed)", "torch.manual_seed(seed)")),
              "tensor_parallel/random.py:235"),
 )
+
+
+# megatron-core 0.16.1 checkpoints the DistributedOptimizer assuming TransformerEngine's or
+# apex's Adam. On torch's Adam (every CPU, and GPUs without either) the per-parameter state
+# also holds a "step" tensor, which loading gets wrong twice.
+TORCH_ADAM_SHIMS: Sequence[_Rewrite] = (
+    # The resharding format has no per-parameter "step" (it comes from the param groups).
+    _Rewrite("megatron.core.optimizer.distrib_optimizer",
+             "DistributedOptimizer._set_main_param_and_optimizer_states",
+             (("dst_tensors[key].copy_(tensors[key])",
+               "if key != 'step': dst_tensors[key].copy_(tensors[key])"),),
+             "optimizer/distrib_optimizer.py:940"),
+    # One "step" tensor was shared by every parameter, so torch's Adam advanced it once
+    # per parameter per step and the bias correction drifted after a resume.
+    _Rewrite("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.load_state_dict",
+             (('s["step"] = step', 's["step"] = step.clone()'),),
+             "optimizer/distrib_optimizer.py:820"),
+)
+_TORCH_ADAM_ENABLED = False
+
+
+def enable_torch_adam_checkpoints() -> bool:
+    """Fix DistributedOptimizer checkpoint loading on torch's Adam; a no-op (False) when
+    megatron-core uses TransformerEngine's or apex's optimizer. Idempotent."""
+    global _TORCH_ADAM_ENABLED
+    from megatron.core.optimizer.distrib_optimizer import HAVE_APEX_OR_TE
+
+    if HAVE_APEX_OR_TE:
+        return False
+    if not _TORCH_ADAM_ENABLED:
+        for shim in TORCH_ADAM_SHIMS:
+            shim.apply()
+        _TORCH_ADAM_ENABLED = True
+    return True
 
 
 def _cpu_get_rng_state(device=-1, clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
@@ -263,4 +302,5 @@ def enable_cpu_support() -> bool:
     return True
 
 
-__all__: List[str] = ["enable_cpu_support", "cpu_support_enabled", "SHIMS"]
+__all__: List[str] = ["enable_cpu_support", "cpu_support_enabled", "enable_torch_adam_checkpoints",
+                      "SHIMS", "TORCH_ADAM_SHIMS"]

@@ -56,3 +56,31 @@ def test_tsp_and_tp_sp_loss_curves_match(ranks):
     tsp = ranks(2, run, "tsp", "modern", steps=STEPS, tsp=2)[0]
     tp_sp = ranks(2, run, "tp-sp", "modern", steps=STEPS, tp=2)[0]
     assert_history_close(tsp, tp_sp)
+
+
+def _build_errors():
+    import megatron_tsp
+    from megatron_tsp import training
+    from gpt_models import VOCAB, SEQ, tiny_config
+
+    megatron_tsp.initialize_model_parallel(tsp_size=4)
+    messages = []
+    for overrides in (dict(sequence_parallel=False), dict(attention_dropout=0.1),
+                      dict(ffn_hidden_size=130), dict(num_query_groups=2)):
+        kwargs = dict(tensor_model_parallel_size=4, sequence_parallel=True)
+        kwargs.update(overrides)
+        try:
+            training.build_model(tiny_config(**kwargs), megatron_tsp.get_gpt_layer_tsp_spec(), VOCAB, SEQ)
+        except ValueError as exc:
+            messages.append(str(exc))
+        else:
+            messages.append(None)
+    return messages
+
+
+def test_unsupported_models_fail_at_build(ranks):
+    messages = ranks(4, _build_errors)[0]
+    assert "set --sequence-parallel" in messages[0]
+    assert "set --attention-dropout 0" in messages[1]
+    assert "--ffn-hidden-size 130 is not divisible by --tsp-size 4" in messages[2]
+    assert "--num-query-groups 2 is not divisible by --tsp-size 4" in messages[3]

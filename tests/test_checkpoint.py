@@ -1,0 +1,55 @@
+"""Checkpoints move between TSP sizes and TP+SP: the next steps' losses carry on.
+
+A TSP=2 run saves model and optimizer after 3 steps and trains 2 more; the same checkpoint
+loaded into TSP=2 reproduces those 2 steps bit for bit, and loaded into TP=2+SP or TSP=4
+(different layouts, same tensors) reproduces them to 1e-5. A TP=2+SP checkpoint loads back
+into TSP=2 the same way.
+"""
+
+import pytest
+
+from gpt_models import assert_history_close, setup, step
+from megatron_tsp import checkpointing
+
+BEFORE, AFTER = 3, 2
+
+
+def _train_save_continue(mode, size, path):
+    chunks, optimizer, transform = setup(mode, "modern", tsp=size, tp=size)
+    for _ in range(BEFORE):
+        step(chunks, optimizer, transform)
+    checkpointing.save(path, chunks, optimizer, common={"iteration": BEFORE})
+    return [step(chunks, optimizer, transform) for _ in range(AFTER)]
+
+
+def _load_continue(mode, size, path):
+    chunks, optimizer, transform = setup(mode, "modern", tsp=size, tp=size)
+    common = checkpointing.load(path, chunks, optimizer)
+    assert common["iteration"] == BEFORE
+    return [step(chunks, optimizer, transform) for _ in range(AFTER)]
+
+
+@pytest.fixture(scope="module")
+def tsp2_checkpoint(ranks, tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("ckpt") / "tsp2")
+    return path, ranks(2, _train_save_continue, "tsp", 2, path)[0]
+
+
+def test_same_layout_resumes_bit_exactly(ranks, tsp2_checkpoint):
+    path, expected = tsp2_checkpoint
+    for history in ranks(2, _load_continue, "tsp", 2, path):
+        assert history == expected
+
+
+@pytest.mark.parametrize("mode,size", [("tp-sp", 2), ("tsp", 4)])
+def test_other_layouts_resume(ranks, tsp2_checkpoint, mode, size):
+    path, expected = tsp2_checkpoint
+    for history in ranks(size, _load_continue, mode, size, path):
+        assert_history_close(history, expected)
+
+
+def test_tp_sp_checkpoint_loads_into_tsp(ranks, tmp_path):
+    path = str(tmp_path / "tp2")
+    expected = ranks(2, _train_save_continue, "tp-sp", 2, path)[0]
+    for history in ranks(2, _load_continue, "tsp", 2, path):
+        assert_history_close(history, expected)
