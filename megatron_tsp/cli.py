@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shlex
 import sys
 from typing import List, Optional
 
@@ -22,6 +24,66 @@ def _cmd_env(args: argparse.Namespace) -> int:
     return 0
 
 
+def default_config_path() -> str:
+    """configs/tiny-cpu.yaml of the checkout this package runs from."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    return os.path.join(os.path.dirname(here), "configs", "tiny-cpu.yaml")
+
+
+def _resolve(ns: argparse.Namespace):
+    from megatron_tsp import config
+
+    path = ns.config or default_config_path()
+    values = config.load_config(path)
+    values.update(config.overrides(ns))
+    return path, values, config.resolve(values)
+
+
+def _cmd_args(ns: argparse.Namespace) -> int:
+    from megatron_tsp import config
+
+    _, values, _ = _resolve(ns)
+    print(" ".join(shlex.quote(flag) for flag in config.to_megatron_flags(values)))
+    return 0
+
+
+def _train_rank(args, log_path):
+    from megatron_tsp.train import train
+
+    return train(args, log_path)
+
+
+def _cmd_train(ns: argparse.Namespace) -> int:
+    from megatron_tsp import launch
+
+    path, _, args = _resolve(ns)
+    log_path = ns.log_json or os.path.join(
+        "runs", os.path.splitext(os.path.basename(path))[0], "log.jsonl")
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
+        import datetime
+
+        import torch
+        import torch.distributed as dist
+
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
+                                timeout=datetime.timedelta(minutes=ns.collective_timeout_min))
+        _train_rank(args, log_path)
+        dist.destroy_process_group()
+        return 0
+    model_parallel = (args.tsp_size * args.tensor_model_parallel_size * args.context_parallel_size
+                      * args.pipeline_model_parallel_size)
+    nproc = ns.nproc or model_parallel
+    print(f"megatron-tsp train: {path}, {nproc} gloo rank(s) on this machine", flush=True)
+    pool = launch.WorkerPool(nproc, collective_timeout_s=60 * ns.collective_timeout_min)
+    try:
+        pool.run(_train_rank, args, log_path, timeout_s=ns.timeout_s)
+    finally:
+        pool.close()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="megatron-tsp",
@@ -31,6 +93,29 @@ def build_parser() -> argparse.ArgumentParser:
     env = sub.add_parser("env", help="versions of torch/megatron-core/TE/apex, device and backend")
     env.add_argument("--json", action="store_true", help="print JSON")
     env.set_defaults(func=_cmd_env)
+
+    from megatron_tsp import config
+
+    args = sub.add_parser("args", help="render a config as Megatron-LM command-line flags")
+    args.add_argument("config", help="YAML config (keys are Megatron-LM argument names)")
+    config.add_arguments(args)
+    args.set_defaults(func=_cmd_args)
+
+    train = sub.add_parser(
+        "train", help="train GPT with TSP (or a TP baseline) on megatron-core",
+        description="Train GPT on megatron-core. CONFIG defaults to configs/tiny-cpu.yaml; "
+                    "Megatron-style flags override its keys. Under torchrun every rank runs "
+                    "here; otherwise --nproc gloo ranks are spawned on this machine.")
+    train.add_argument("config", nargs="?", help="YAML config (default: configs/tiny-cpu.yaml)")
+    train.add_argument("--nproc", type=int, default=None,
+                       help="gloo ranks to spawn without torchrun (default: the model-parallel size)")
+    train.add_argument("--log-json", default=None, help="JSON-lines log (default: runs/<config>/log.jsonl)")
+    train.add_argument("--timeout-s", type=float, default=6 * 3600.0,
+                       help="wall-clock limit of a spawned job")
+    train.add_argument("--collective-timeout-min", type=float, default=10.0,
+                       help="timeout of every collective")
+    config.add_arguments(train)
+    train.set_defaults(func=_cmd_train)
     return parser
 
 
@@ -40,7 +125,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
-    return args.func(args)
+    from megatron_tsp.config import ConfigError
+
+    try:
+        return args.func(args)
+    except ConfigError as exc:
+        parser.exit(2, f"megatron-tsp: error: {exc}\n")
 
 
 if __name__ == "__main__":

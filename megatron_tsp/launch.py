@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
+import signal
 import socket
 import sys
 import time
@@ -35,46 +36,51 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_gloo(rank: int, world_size: int, port: int, timeout_s: float) -> None:
-    """Join a gloo process group on loopback; collectives time out after ``timeout_s``."""
-    import torch.distributed as dist
-
+def _env(rank: int, world_size: int, port: int) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     os.environ["RANK"] = str(rank)
     os.environ["LOCAL_RANK"] = str(rank)
     os.environ["WORLD_SIZE"] = str(world_size)
-    dist.init_process_group(
-        "gloo",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
 
 
-def _reset_parallel_state() -> None:
-    from megatron_tsp import parallel_state as tsp_state
+def _reset() -> None:
+    """Forget megatron's and TSP's groups, then destroy every process group of the task.
+
+    megatron-core never destroys the groups it creates; a long-lived worker that did not
+    would accumulate hundreds of gloo groups (each with its threads and sockets).
+    """
+    import torch.distributed as dist
     from megatron.core import parallel_state as mpu
+
+    from megatron_tsp import parallel_state as tsp_state
 
     if tsp_state.is_initialized():
         tsp_state.destroy_model_parallel()
     elif mpu.model_parallel_is_initialized():
         mpu.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _worker(rank: int, world_size: int, port: int, conn: Connection, path: List[str],
             collective_timeout_s: float) -> None:
     sys.path[:] = path
+    os.setpgrp()  # so that close(kill=True) also reaches processes this worker started
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
+    import torch.distributed as dist
 
     torch.set_num_threads(1)
     from megatron_tsp.compat import enable_cpu_support
 
     enable_cpu_support()
-    init_gloo(rank, world_size, port, collective_timeout_s)
+    _env(rank, world_size, port)
+    timeout = datetime.timedelta(seconds=collective_timeout_s)
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=rank == 0, timeout=timeout)
     conn.send(("ready", None))
+    task_id = 0
     while True:
         try:
             task = conn.recv()
@@ -83,17 +89,21 @@ def _worker(rank: int, world_size: int, port: int, conn: Connection, path: List[
         if task is None:
             break
         fn, args, kwargs = task
+        task_id += 1
         try:
+            # A fresh world group per task, rendezvous keys scoped to the task.
+            dist.init_process_group("gloo", store=dist.PrefixStore(f"task{task_id}", store),
+                                    rank=rank, world_size=world_size, timeout=timeout)
             result = fn(*args, **kwargs)
             conn.send(("ok", result))
         except BaseException:  # noqa: BLE001 - the parent decides what to do with it
             conn.send(("err", traceback.format_exc()))
         finally:
-            _reset_parallel_state()
+            _reset()
 
 
 class WorkerPool:
-    """``world_size`` processes joined in one gloo group, reused across calls."""
+    """``world_size`` processes, reused across calls; each call runs in a fresh gloo group."""
 
     def __init__(self, world_size: int, collective_timeout_s: float = 120.0,
                  start_timeout_s: float = 180.0):
@@ -175,12 +185,13 @@ class WorkerPool:
                 except (BrokenPipeError, OSError):
                     pass
         for proc in self._procs:
-            if kill:
-                proc.kill()
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+            if not kill:
+                proc.join(timeout=5)
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.join()
         for conn in self._conns:
             conn.close()
         self._procs, self._conns = [], []

@@ -130,8 +130,9 @@ def _new_weight_group(tsp_size: int, megatron_kwargs) -> dist.ProcessGroup:
 
 def destroy_model_parallel() -> None:
     global _TSP_GROUP, _TSP_WEIGHT_GROUP, _TSP_SIZE
-    if _TSP_WEIGHT_GROUP is not None and _TSP_WEIGHT_GROUP is not _TSP_GROUP:
-        dist.destroy_process_group(_TSP_WEIGHT_GROUP)
+    # Like megatron's destroy_model_parallel, forget the groups without destroying them:
+    # a destroyed gloo group's rendezvous keys can be picked up by the next group created
+    # over the same ranks, which then connects to closed sockets.
     _TSP_GROUP = None
     _TSP_WEIGHT_GROUP = None
     _TSP_SIZE = None

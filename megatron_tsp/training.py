@@ -21,6 +21,7 @@ from megatron.core.distributed import (
 from megatron.core.models.gpt import GPTModel
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -48,11 +49,20 @@ def build_model(
         share_embeddings_and_output_weights=share_embeddings_and_output_weights,
         position_embedding_type=position_embedding_type,
     )
+    if config.bf16 or config.fp16:
+        model = Float16Module(config, model)  # params in bf16/fp16, as Megatron-LM does
     ddp_config = ddp_config or DistributedDataParallelConfig()
     ddp = DistributedDataParallel(config, ddp_config, model)
     # Same initial weights on every data-parallel replica, as Megatron-LM does.
     ddp.broadcast_params()
     return [ddp]
+
+
+def unwrap(chunk: torch.nn.Module) -> GPTModel:
+    """The GPTModel inside DDP (and Float16Module)."""
+    while isinstance(chunk, (DistributedDataParallel, Float16Module)):
+        chunk = chunk.module
+    return chunk
 
 
 def build_optimizer(model: List[DistributedDataParallel], optimizer_config: OptimizerConfig):

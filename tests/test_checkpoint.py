@@ -24,7 +24,7 @@ def _train_save_continue(mode, size, path):
 
 def _load_continue(mode, size, path):
     chunks, optimizer, transform = setup(mode, "modern", tsp=size, tp=size)
-    common = checkpointing.load(path, chunks, optimizer)
+    common, _ = checkpointing.load(path, chunks, optimizer)
     assert common["iteration"] == BEFORE
     return [step(chunks, optimizer, transform) for _ in range(AFTER)]
 

@@ -1,0 +1,112 @@
+"""Training data through megatron-core's datasets: mock data or indexed (.bin/.idx) corpora.
+
+``make_tiny_corpus`` writes a small byte-level corpus in megatron's indexed-dataset format
+(generated, so nothing is downloaded or shipped): English-like sentences and sums, enough
+structure that a tiny model's loss visibly falls within a minute on a CPU. Batches come in
+Megatron's order: iteration i, micro-batch m, data-parallel rank r reads samples
+``i*GBS + m*mbs*DP + r*mbs ...``, so a resumed run sees exactly the data it would have seen.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from typing import Dict, List
+
+import numpy
+import torch
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
+
+TINY_CORPUS_NAME = "tsp-tiny-corpus"
+BYTE_VOCAB = 256
+
+_SUBJECTS = ["the cat", "a dog", "my friend", "the old man", "a small bird", "the teacher",
+             "our neighbour", "the river", "a young girl", "the machine"]
+_VERBS = ["sees", "likes", "follows", "finds", "carries", "watches", "builds", "remembers"]
+_OBJECTS = ["the red ball", "a long road", "the blue house", "an apple", "the garden",
+            "a quiet song", "the last train", "a wooden box"]
+_ENDINGS = ["in the morning", "after the rain", "every day", "near the sea", "at night", ""]
+
+
+def _sentence(rng: random.Random) -> str:
+    if rng.random() < 0.25:
+        a, b = rng.randrange(100), rng.randrange(100)
+        return f"{a} plus {b} is {a + b}."
+    words = [rng.choice(_SUBJECTS), rng.choice(_VERBS), rng.choice(_OBJECTS), rng.choice(_ENDINGS)]
+    text = " ".join(w for w in words if w)
+    return text[0].upper() + text[1:] + "."
+
+
+def make_tiny_corpus(prefix: str, num_docs: int = 2000, seed: int = 0) -> str:
+    """Write ``prefix.bin``/``prefix.idx`` (bytes as token ids); return ``prefix``."""
+    os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
+    rng = random.Random(seed)
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=numpy.uint16)
+    for _ in range(num_docs):
+        text = " ".join(_sentence(rng) for _ in range(rng.randint(3, 12)))
+        builder.add_item(torch.tensor(list(text.encode("utf-8")), dtype=torch.int64))
+        builder.end_document()
+    builder.finalize(prefix + ".idx")
+    return prefix
+
+
+def ensure_corpus(prefixes: List[str]) -> None:
+    """Generate the built-in tiny corpus where a prefix names it and it does not exist yet."""
+    for prefix in prefixes:
+        if os.path.basename(prefix) == TINY_CORPUS_NAME and not os.path.exists(prefix + ".idx"):
+            make_tiny_corpus(prefix)
+
+
+def tokenizer_for(args) -> NullTokenizer:
+    """Byte-level corpora and mock data use megatron's NullTokenizer (ids as given)."""
+    if args.tokenizer_type != "NullTokenizer":
+        raise ValueError(f"tokenizer_type {args.tokenizer_type!r} is not supported by megatron-tsp train; use NullTokenizer")
+    return NullTokenizer(args.vocab_size)
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel: int) -> int:
+    """Megatron-LM's padding of the vocabulary (so that it splits over TP/TSP ranks)."""
+    multiple = divisible_by * tensor_parallel
+    return ((vocab_size + multiple - 1) // multiple) * multiple
+
+
+def build_train_dataset(args, num_samples: int, data_parallel_size: int):
+    tokenizer = tokenizer_for(args)
+    config = GPTDatasetConfig(
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        blend=None if args.mock_data else (list(args.data_path), None),
+        split=args.split,
+        tokenizer=tokenizer,
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        create_attention_mask=False,
+        data_parallel_size=data_parallel_size,
+        path_to_cache=None,
+        mid_level_dataset_surplus=0.005,
+    )
+    dataset_type = MockGPTDataset if args.mock_data else GPTDataset
+    train, _, _ = BlendedMegatronDatasetBuilder(
+        dataset_type, [num_samples, 0, 0], lambda: True, config
+    ).build()
+    return train
+
+
+def microbatches(dataset, iteration: int, num_microbatches: int, micro_batch_size: int,
+                 dp_rank: int, dp_size: int) -> List[Dict[str, torch.Tensor]]:
+    """This rank's micro-batches of global batch ``iteration`` (Megatron's sample order)."""
+    global_batch = num_microbatches * micro_batch_size * dp_size
+    out = []
+    for m in range(num_microbatches):
+        start = iteration * global_batch + m * micro_batch_size * dp_size + dp_rank * micro_batch_size
+        samples = [dataset[(start + i) % len(dataset)] for i in range(micro_batch_size)]
+        batch = {key: torch.stack([torch.as_tensor(s[key]) for s in samples])
+                 for key in ("tokens", "labels", "loss_mask", "position_ids")}
+        batch["attention_mask"] = None
+        out.append(batch)
+    return out
+
