@@ -1,34 +1,33 @@
-"""megatron_tsp: Tensor + Sequence Parallelism (TSP) for Megatron-Core."""
+"""megatron_tsp: Tensor + Sequence Parallelism (TSP) for Megatron-Core.
 
-from megatron_tsp.attention import TSPSelfAttention
-from megatron_tsp.mlp import TSPMLP
-from megatron_tsp.norm import TSPNorm
-from megatron_tsp.parallel_state import (
-    TSPProcessGroupCollection,
-    destroy_model_parallel,
-    get_tsp_group,
-    get_tsp_pg_collection,
-    get_tsp_rank,
-    get_tsp_world_size,
-    initialize_model_parallel,
-)
-from megatron_tsp.spec import get_gpt_block_tsp_spec, get_gpt_layer_tsp_spec
-from megatron_tsp.zigzag import zigzag_batch
+The public names below are imported on first use, so that ``megatron-tsp env`` or ``args``
+do not pay for (or print the warnings of) importing megatron-core.
+"""
+
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "TSPMLP",
-    "TSPNorm",
-    "TSPSelfAttention",
-    "get_gpt_block_tsp_spec",
-    "get_gpt_layer_tsp_spec",
-    "zigzag_batch",
-    "TSPProcessGroupCollection",
-    "destroy_model_parallel",
-    "get_tsp_group",
-    "get_tsp_pg_collection",
-    "get_tsp_rank",
-    "get_tsp_world_size",
-    "initialize_model_parallel",
-]
+_EXPORTS = {
+    "TSPSelfAttention": "megatron_tsp.attention",
+    "TSPMLP": "megatron_tsp.mlp",
+    "TSPNorm": "megatron_tsp.norm",
+    "TSPProcessGroupCollection": "megatron_tsp.parallel_state",
+    "destroy_model_parallel": "megatron_tsp.parallel_state",
+    "get_tsp_group": "megatron_tsp.parallel_state",
+    "get_tsp_pg_collection": "megatron_tsp.parallel_state",
+    "get_tsp_rank": "megatron_tsp.parallel_state",
+    "get_tsp_world_size": "megatron_tsp.parallel_state",
+    "initialize_model_parallel": "megatron_tsp.parallel_state",
+    "get_gpt_block_tsp_spec": "megatron_tsp.spec",
+    "get_gpt_layer_tsp_spec": "megatron_tsp.spec",
+    "zigzag_batch": "megatron_tsp.zigzag",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'megatron_tsp' has no attribute {name!r}")

@@ -7,6 +7,7 @@ import json
 import os
 import shlex
 import sys
+import warnings
 from typing import List, Optional
 
 
@@ -120,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    # megatron-core warns at import that TransformerEngine/apex are missing; `megatron-tsp
+    # env` reports them, and on a CPU they are not expected.
+    warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).* not installed")
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

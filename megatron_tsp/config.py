@@ -189,6 +189,8 @@ def check_combinations(ns: argparse.Namespace) -> None:
          "must be full or selective"),
         (ns.recompute_granularity != "full" or ns.recompute_method in ("uniform", "block"),
          "recompute_method", "must be uniform or block with recompute_granularity full"),
+        (ns.lr_warmup_iters < ns.lr_decay_iters, "lr_warmup_iters", "must be below lr_decay_iters "
+         "(default train_iters)"),
         (ns.tokenizer_type != "NullTokenizer" or ns.vocab_size, "vocab_size",
          "is required with tokenizer_type NullTokenizer"),
     ]

@@ -45,6 +45,18 @@ def _env(rank: int, world_size: int, port: int) -> None:
     os.environ["WORLD_SIZE"] = str(world_size)
 
 
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this worker when the process that started it dies (even by SIGKILL),
+    so that a killed job leaves no rank running on."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
 def _reset() -> None:
     """Forget megatron's and TSP's groups, then destroy every process group of the task.
 
@@ -67,7 +79,7 @@ def _reset() -> None:
 def _worker(rank: int, world_size: int, port: int, conn: Connection, path: List[str],
             collective_timeout_s: float) -> None:
     sys.path[:] = path
-    os.setpgrp()  # so that close(kill=True) also reaches processes this worker started
+    _die_with_parent()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     import torch.distributed as dist
@@ -187,14 +199,27 @@ class WorkerPool:
         for proc in self._procs:
             if not kill:
                 proc.join(timeout=5)
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            _kill_tree(proc.pid)
             proc.join()
         for conn in self._conns:
             conn.close()
         self._procs, self._conns = [], []
+
+
+def _kill_tree(pid: int) -> None:
+    """Kill a worker and whatever it started (megatron's checkpoint writers)."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = root.children(recursive=True) + [root]
+    except psutil.NoSuchProcess:
+        return
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
 
 
 def run_on_ranks(fn: Callable, world_size: int, *args, timeout_s: float = DEFAULT_TIMEOUT_S,

@@ -113,6 +113,22 @@ def initialize_model_parallel(
         _TSP_WEIGHT_GROUP = _new_weight_group(tsp_size, megatron_kwargs)
 
 
+def adopt_megatron_groups(tsp_size: int) -> None:
+    """Register TSP on a megatron parallel state someone else initialised with
+    ``tensor_model_parallel_size = tsp_size`` (Megatron-LM's ``initialize_megatron``).
+    Collective (creates the weight-traffic groups); a second call is a no-op."""
+    global _TSP_GROUP, _TSP_WEIGHT_GROUP, _TSP_SIZE
+    if _TSP_SIZE is not None:
+        return
+    tp = mpu.get_tensor_model_parallel_world_size()
+    if tp != tsp_size:
+        raise ValueError(f"--tsp-size {tsp_size} but megatron's tensor-parallel size is {tp}; "
+                         "launch through megatron_tsp.megatron_lm.translate_argv")
+    _TSP_SIZE = tsp_size
+    _TSP_GROUP = mpu.get_tensor_model_parallel_group()
+    _TSP_WEIGHT_GROUP = _new_weight_group(tsp_size, {})
+
+
 def _new_weight_group(tsp_size: int, megatron_kwargs) -> dist.ProcessGroup:
     if tsp_size == 1:
         return _TSP_GROUP

@@ -133,6 +133,12 @@ class Logger:
 
 def train(args, log_path: Optional[str] = None) -> Dict[str, Any]:
     """Run on every rank of an initialised process group; returns the last log record."""
+    if args.context_parallel_size > 1:
+        raise ValueError(
+            "--context-parallel-size > 1 is not supported by megatron-tsp train (context-parallel "
+            "batches and losses are Megatron-LM's); run TP x CP baselines with Megatron-LM: "
+            "scripts/pretrain_gpt_tsp.py $(megatron-tsp args CONFIG)"
+        )
     if not torch.cuda.is_available():
         enable_cpu_support()
     megatron_tsp.initialize_model_parallel(

@@ -1,0 +1,155 @@
+"""``--tsp-size`` for Megatron-LM's ``pretrain_gpt.py`` (tag core_v0.16.1).
+
+TSP rides on Megatron-LM's tensor-parallel slot (DESIGN.md sections 6 and 7):
+
+* :func:`translate_argv` turns ``--tsp-size D`` into ``--tensor-model-parallel-size D
+  --sequence-parallel --spec megatron_tsp.megatron_lm <spec>`` before Megatron-LM parses its
+  arguments, and rejects flags TSP does not support with one line naming the flag;
+* :func:`add_tsp_args` declares ``--tsp-size`` (``pretrain(extra_args_provider=...)``);
+* :func:`forward_step` is pretrain_gpt's, with the batch put into zigzag order;
+* :func:`model_provider` registers the TSP groups before building the model.
+
+``scripts/pretrain_gpt_tsp.py`` runs all of it with Megatron-LM's own ``pretrain``;
+``patches/pretrain_gpt_tsp.patch`` wires the same calls into a fork's ``pretrain_gpt.py``.
+Importing this module needs a Megatron-LM checkout on ``sys.path`` only for
+:func:`forward_step`, :func:`model_provider` and :func:`main`.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import List, Optional
+
+from megatron_tsp.spec import get_gpt_layer_tsp_spec
+
+# `--spec megatron_tsp.megatron_lm <name>`: Megatron-LM imports these objects as they are.
+layer_spec = get_gpt_layer_tsp_spec()
+layer_spec_qk_layernorm = get_gpt_layer_tsp_spec(qk_layernorm=True)
+
+# flag -> why TSP cannot take it (checked before Megatron-LM parses anything)
+UNSUPPORTED = {
+    "--spec": "the TSP layer spec is chosen by --tsp-size",
+    "--num-experts": "mixture-of-experts is not supported with --tsp-size",
+    "--multi-latent-attention": "multi-latent attention is not supported with --tsp-size",
+    "--mtp-num-layers": "multi-token prediction is not supported with --tsp-size",
+    "--use-legacy-models": "TSP needs megatron-core models",
+    "--tp-comm-overlap": "TransformerEngine's TP overlap does not apply to TSP",
+    "--fp8-format": "fp8 is not supported with --tsp-size",
+    "--sft": "packed (THD) sequences are not supported with --tsp-size",
+}
+SIZE_FLAGS = ("--tensor-model-parallel-size", "--context-parallel-size")
+
+
+def _value(argv: List[str], flag: str) -> Optional[str]:
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def _present(argv: List[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in argv)
+
+
+def translate_argv(argv: List[str]) -> List[str]:
+    """Map ``--tsp-size D`` onto Megatron-LM's tensor-parallel slot; ``argv[0]`` is kept."""
+    size = _value(argv, "--tsp-size")
+    tsp = int(size) if size is not None else 1
+    if tsp < 1:
+        raise SystemExit(f"--tsp-size must be >= 1 (got {tsp})")
+    if tsp == 1:
+        return list(argv)
+    for flag in SIZE_FLAGS:
+        value = _value(argv, flag)
+        if value is not None and int(value) > 1:
+            raise SystemExit(f"--tsp-size {tsp} cannot be combined with {flag} {value}: "
+                             f"TSP occupies the tensor-parallel slot and shards the sequence; set {flag} 1")
+    for flag, why in UNSUPPORTED.items():
+        if _present(argv, flag):
+            raise SystemExit(f"{flag} cannot be used with --tsp-size: {why}")
+    dropout = _value(argv, "--attention-dropout")
+    if dropout is not None and float(dropout) > 0:
+        raise SystemExit(f"--attention-dropout {dropout} is not supported with --tsp-size; set --attention-dropout 0")
+    spec = "layer_spec_qk_layernorm" if _present(argv, "--qk-layernorm") else "layer_spec"
+    out = list(argv)
+    out += ["--tensor-model-parallel-size", str(tsp), "--sequence-parallel",
+            "--spec", "megatron_tsp.megatron_lm", spec]
+    if dropout is None:  # Megatron-LM's default is 0.1
+        out += ["--attention-dropout", "0.0"]
+    return out
+
+
+def add_tsp_args(parser):
+    """``extra_args_provider`` for Megatron-LM's ``pretrain``."""
+    group = parser.add_argument_group(title="TSP (megatron_tsp)")
+    group.add_argument("--tsp-size", type=int, default=1,
+                       help="TSP size D: weights and tokens sharded over D GPUs (tensor-parallel slot)")
+    return parser
+
+
+def chain_args_providers(*providers):
+    """One ``extra_args_provider`` calling several (None entries are skipped)."""
+    def provider(parser):
+        for p in providers:
+            if p is not None:
+                parser = p(parser)
+        return parser
+    return provider
+
+
+def forward_step(data_iterator, model, return_schedule_plan: bool = False):
+    """pretrain_gpt's forward step with the batch in zigzag order for the TSP ranks."""
+    import pretrain_gpt
+    from megatron.core.utils import get_attr_wrapped_model
+    from megatron.training import get_args
+
+    from megatron_tsp.zigzag import zigzag_batch
+
+    if return_schedule_plan:
+        raise NotImplementedError("--overlap-moe-expert-parallel-comm is not supported with --tsp-size")
+    vp_stage = get_attr_wrapped_model(model, "vp_stage")
+    tokens, labels, loss_mask, attention_mask, position_ids, packed = pretrain_gpt.get_batch(data_iterator, vp_stage)
+    if packed is not None:
+        raise NotImplementedError("packed sequences are not supported with --tsp-size")
+    batch = zigzag_batch(dict(tokens=tokens, labels=labels, loss_mask=loss_mask,
+                              attention_mask=attention_mask, position_ids=position_ids),
+                         get_args().tsp_size)
+    output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
+                   labels=batch["labels"], loss_mask=batch["loss_mask"])
+    return output, partial(pretrain_gpt.loss_func, batch["loss_mask"], model=model)
+
+
+def model_provider(*args, **kwargs):
+    """Megatron-LM's model provider (gpt_builder), after registering the TSP groups."""
+    from gpt_builders import gpt_builder
+    from megatron.training import get_args
+    from model_provider import model_provider as megatron_model_provider
+
+    from megatron_tsp.parallel_state import adopt_megatron_groups
+
+    if get_args().tsp_size > 1:
+        adopt_megatron_groups(get_args().tsp_size)
+    return megatron_model_provider(gpt_builder, *args, **kwargs)
+
+
+def main() -> None:
+    """What pretrain_gpt.py's ``__main__`` does, with TSP's pieces (argv already translated)."""
+    import pretrain_gpt
+    from megatron.core.enums import ModelType
+    from megatron.training import inprocess_restart, pretrain
+
+    pretrain_gpt.train_valid_test_datasets_provider.is_distributed = True
+    run, store = inprocess_restart.maybe_wrap_for_inprocess_restart(pretrain)
+    modelopt = pretrain_gpt.add_modelopt_args if pretrain_gpt.has_nvidia_modelopt else None
+    run(
+        pretrain_gpt.train_valid_test_datasets_provider,
+        model_provider,
+        ModelType.encoder_or_decoder,
+        forward_step,
+        args_defaults={"tokenizer_type": "GPT2BPETokenizer"},
+        extra_args_provider=chain_args_providers(add_tsp_args, modelopt),
+        store=store,
+        get_embedding_ranks=pretrain_gpt.get_embedding_ranks,
+    )

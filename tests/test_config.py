@@ -1,0 +1,69 @@
+"""YAML run configs: merging, one-line errors naming the key, Megatron-LM flags, and every
+shipped config checked against megatron-core's TransformerConfig."""
+
+import glob
+import os
+
+import pytest
+
+from megatron_tsp import config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "**", "*.yaml"), recursive=True))
+RUN_CONFIGS = [c for c in CONFIGS if "hardware" not in c]
+
+
+def _write(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_extends_merges_and_later_keys_win(tmp_path):
+    _write(tmp_path, "base.yaml", "hidden_size: 64\nnum_layers: 2\nmock_data: true\nvocab_size: 8\n")
+    child = _write(tmp_path, "child.yaml", "extends: base.yaml\nnum_layers: 4\n")
+    assert config.load_config(child) == {"hidden_size": 64, "num_layers": 4, "mock_data": True, "vocab_size": 8}
+
+
+@pytest.mark.parametrize("text,message", [
+    ("hiden_size: 64\n", "unknown key 'hiden_size'"),
+    ("num_layers: two\n", "key 'num_layers' must be int"),
+    ("extends: self.yaml\n", "'extends' cycle"),
+])
+def test_bad_files_name_the_key(tmp_path, text, message):
+    path = _write(tmp_path, "self.yaml", text)
+    with pytest.raises(config.ConfigError, match=message):
+        config.load_config(path)
+
+
+@pytest.mark.parametrize("values,message", [
+    (dict(tsp_size=2, tensor_model_parallel_size=2), "--tensor-model-parallel-size 1"),
+    (dict(tsp_size=2, seq_length=66), "'seq_length' must be divisible by 2 x tsp_size"),
+    (dict(tsp_size=2, attention_dropout=0.1), "'attention_dropout' must be 0"),
+    (dict(tsp_size=8, num_attention_heads=4), "'num_attention_heads' must be divisible"),
+    (dict(mock_data=False), "'data_path' is required"),
+    (dict(bf16=True, fp16=True), "'bf16' cannot be combined with fp16"),
+])
+def test_impossible_combinations_name_the_key(values, message):
+    base = dict(mock_data=True, vocab_size=256, attention_dropout=0.0)
+    base.update(values)
+    with pytest.raises(config.ConfigError, match=message):
+        config.resolve(base)
+
+
+def test_flags_render_in_megatron_lm_form():
+    flags = config.to_megatron_flags({"num_layers": 2, "swiglu": True, "bf16": False,
+                                      "data_path": ["a", "b"], "lr": 3e-4, "extends": "x"})
+    assert flags == ["--num-layers", "2", "--swiglu", "--data-path", "a", "b", "--lr", "0.0003"]
+
+
+@pytest.mark.parametrize("path", RUN_CONFIGS, ids=[os.path.relpath(c, ROOT) for c in RUN_CONFIGS])
+def test_every_config_resolves_to_a_transformer_config(path):
+    from megatron_tsp.train import transformer_config
+
+    args = config.resolve(config.load_config(path))
+    tc = transformer_config(args)
+    assert tc.num_layers == args.num_layers and tc.hidden_size == args.hidden_size
+    assert tc.tensor_model_parallel_size == args.tsp_size * args.tensor_model_parallel_size
+    assert tc.sequence_parallel == (args.tsp_size > 1 or args.sequence_parallel)
+    assert config.to_megatron_flags(config.load_config(path))

@@ -1,0 +1,84 @@
+"""`megatron-tsp train`, the main job, through its command line: the loss falls, a killed
+run resumes from its checkpoint with the losses of an uninterrupted run, and the TP+SP
+baseline starts from the same loss."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ITERS = 30
+QUICK = ["--num-layers", "2", "--log-interval", "1", "--train-iters", str(ITERS),
+         "--data-path", None]  # data path filled per test
+
+
+def _cmd(tmp_path, log, *extra):
+    flags = list(QUICK)
+    flags[-1] = str(tmp_path.parent / "data" / "tsp-tiny-corpus")
+    return [sys.executable, "-m", "megatron_tsp.cli", "train", os.path.join(ROOT, "configs", "tiny-cpu.yaml"),
+            *flags, "--log-json", str(log), *extra]
+
+
+def _records(log):
+    with open(log) as f:
+        return [json.loads(line) for line in f]
+
+
+def _run(cmd, timeout=600):
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    return out.stdout
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("full")
+    log = tmp / "log.jsonl"
+    stdout = _run(_cmd(tmp, log))
+    assert "iteration       30/      30" in stdout and "lm loss:" in stdout
+    return {r["iteration"]: r for r in _records(log)}
+
+
+def test_default_config_trains_and_loss_falls(uninterrupted):
+    assert sorted(uninterrupted) == list(range(1, ITERS + 1))
+    first, last = uninterrupted[1]["loss"], uninterrupted[ITERS]["loss"]
+    assert last < 0.8 * first, (first, last)
+    for key in ("lr", "grad_norm", "elapsed_ms", "tokens_per_s", "tflops_per_device", "peak_memory_gib"):
+        assert uninterrupted[ITERS][key] > 0
+
+
+def test_killed_run_resumes_with_the_same_losses(tmp_path, uninterrupted):
+    ckpt = tmp_path / "ckpt"
+    proc = subprocess.Popen(_cmd(tmp_path, tmp_path / "killed.jsonl", "--save", str(ckpt), "--save-interval", "4"),
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    tracker = ckpt / "latest_checkpointed_iteration.txt"
+    deadline = time.monotonic() + 300
+    while not tracker.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    saved = int(tracker.read_text())
+    assert saved < ITERS, "the run finished before it could be killed"
+
+    log = tmp_path / "resumed.jsonl"
+    stdout = _run(_cmd(tmp_path, log, "--load", str(ckpt), "--save", str(ckpt), "--save-interval", "4"))
+    assert f"at iteration {saved}" in stdout
+    resumed = _records(log)
+    assert [r["iteration"] for r in resumed] == list(range(saved + 1, ITERS + 1))
+    for r in resumed:
+        ref = uninterrupted[r["iteration"]]
+        assert (r["loss"], r["grad_norm"], r["lr"]) == (ref["loss"], ref["grad_norm"], ref["lr"]), r["iteration"]
+
+
+def test_tp_sp_baseline_starts_from_the_same_loss(tmp_path, uninterrupted):
+    log = tmp_path / "tp.jsonl"
+    cmd = _cmd(tmp_path, log, "--tsp-size", "1", "--tensor-model-parallel-size", "2", "--sequence-parallel")
+    cmd[cmd.index("--train-iters") + 1] = "6"
+    _run(cmd)
+    first = _records(log)[0]
+    assert abs(first["loss"] - uninterrupted[1]["loss"]) <= 1e-5 * uninterrupted[1]["loss"]
