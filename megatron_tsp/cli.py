@@ -85,6 +85,22 @@ def _cmd_train(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_compare(ns: argparse.Namespace) -> int:
+    from megatron_tsp import compare
+
+    runs = {os.path.relpath(p): compare.summarize(compare.read_run(p), ns.warmup)
+            for p in ns.runs}
+    text = compare.table(runs)
+    print(text)
+    if ns.markdown:
+        with open(ns.markdown, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+    if ns.json:
+        with open(ns.json, "w", encoding="utf-8") as f:
+            json.dump(runs, f, indent=2)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="megatron-tsp",
@@ -117,6 +133,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="timeout of every collective")
     config.add_arguments(train)
     train.set_defaults(func=_cmd_train)
+
+    cmp = sub.add_parser("compare", help="table of several runs' iteration logs (JSON lines or Megatron text)")
+    cmp.add_argument("runs", nargs="+", help="log files or run directories")
+    cmp.add_argument("--warmup", type=int, default=2, help="iterations left out of the timing")
+    cmp.add_argument("--markdown", help="write the table here")
+    cmp.add_argument("--json", help="write the summaries here")
+    cmp.set_defaults(func=_cmd_compare)
     return parser
 
 

@@ -1,0 +1,100 @@
+"""Collect iteration logs of several runs into one comparison table.
+
+Reads ``megatron-tsp train`` JSON lines or Megatron-style text logs (``iteration N/ M |
+... elapsed time per iteration (ms): T | ... lm loss: L |``, as printed by this project and
+by Megatron-LM). A run directory is searched for ``log.jsonl`` first, then for the text log
+that holds iteration lines. The first ``warmup`` iterations are left out of the timing.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import statistics
+from typing import Dict, List, Optional
+
+_FIELDS = {
+    "iteration": r"iteration\s+(\d+)/",
+    "elapsed_ms": r"elapsed time per iteration \(ms\):\s*([\d.]+)",
+    "loss": r"lm loss:\s*([\d.Ee+-]+)",
+    "tflops_per_device": r"(?:TFLOP/s/device|throughput per GPU \(TFLOP/s/GPU\)):\s*([\d.]+)",
+    "tokens_per_s": r"tokens/s:\s*([\d.]+)",
+    "peak_memory_gib": r"peak memory \(GiB\):\s*([\d.]+)",
+}
+
+
+def parse_text(lines: List[str]) -> List[Dict[str, float]]:
+    records = []
+    for line in lines:
+        if "iteration" not in line or "elapsed time per iteration" not in line:
+            continue
+        record = {}
+        for key, pattern in _FIELDS.items():
+            m = re.search(pattern, line)
+            if m:
+                record[key] = float(m.group(1))
+        records.append(record)
+    return records
+
+
+def read_run(path: str) -> List[Dict[str, float]]:
+    """Iteration records of a log file or a run directory."""
+    if os.path.isdir(path):
+        jsonl = sorted(glob.glob(os.path.join(path, "**", "log.jsonl"), recursive=True))
+        if jsonl:
+            return read_run(jsonl[0])
+        for candidate in sorted(glob.glob(os.path.join(path, "**", "*.log"), recursive=True)) + \
+                sorted(glob.glob(os.path.join(path, "**", "*.out"), recursive=True)):
+            records = read_run(candidate)
+            if records:
+                return records
+        return []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        if path.endswith(".jsonl"):
+            return [json.loads(line) for line in f if line.strip()]
+        return parse_text(f.readlines())
+
+
+def summarize(records: List[Dict[str, float]], warmup: int = 2) -> Dict[str, Optional[float]]:
+    timed = [r for r in records[warmup:] if "elapsed_ms" in r] or [r for r in records if "elapsed_ms" in r]
+    steps = sorted(r["elapsed_ms"] for r in timed)
+
+    def median(key):
+        values = [r[key] for r in timed if key in r]
+        return statistics.median(values) if values else None
+
+    def pct(q):
+        return steps[min(len(steps) - 1, int(q * (len(steps) - 1) + 0.5))] if steps else None
+
+    return {
+        "iterations": len(records),
+        "step_ms_median": statistics.median(steps) if steps else None,
+        "step_ms_p10": pct(0.1),
+        "step_ms_p90": pct(0.9),
+        "tokens_per_s": median("tokens_per_s"),
+        "tflops_per_device": median("tflops_per_device"),
+        "peak_memory_gib": max((r["peak_memory_gib"] for r in records if "peak_memory_gib" in r), default=None),
+        "final_loss": records[-1].get("loss") if records else None,
+    }
+
+
+def table(runs: Dict[str, Dict[str, Optional[float]]]) -> str:
+    """Markdown table; the step-time ratio is relative to the first run."""
+    def fmt(v, spec):
+        return "-" if v is None else format(v, spec)
+
+    names = list(runs)
+    base = runs[names[0]]["step_ms_median"] if names else None
+    lines = ["| run | iters | step ms (median) | p10-p90 | vs first | tokens/s | TFLOP/s/device | peak GiB | final loss |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name in names:
+        s = runs[name]
+        ratio = s["step_ms_median"] / base if base and s["step_ms_median"] else None
+        lines.append(
+            f"| {name} | {s['iterations']} | {fmt(s['step_ms_median'], '.1f')} | "
+            f"{fmt(s['step_ms_p10'], '.1f')}-{fmt(s['step_ms_p90'], '.1f')} | {fmt(ratio, '.2f')}x | "
+            f"{fmt(s['tokens_per_s'], '.0f')} | {fmt(s['tflops_per_device'], '.1f')} | "
+            f"{fmt(s['peak_memory_gib'], '.1f')} | {fmt(s['final_loss'], '.4f')} |")
+    return "\n".join(lines)
