@@ -32,18 +32,16 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_tsp import comm, zigzag
 from megatron_tsp.checks import check_attention_config
+from megatron_tsp.kernels import causal_attention, select_backend
 from megatron_tsp.parallel_state import resolve_tsp_groups
 from megatron_tsp.streaming import ShardStream
-
-ATTENTION_BACKENDS = ("auto", "sdpa", "flash_attn")
 
 
 class TSPSelfAttention(SelfAttention):
     """Drop-in for megatron's ``SelfAttention`` under TSP (same parameters and checkpoints).
 
     ``overlap_comm``: broadcast the next head group's weights while this one computes.
-    ``attention_backend``: ``"sdpa"`` (torch; flash/efficient kernels on GPU), ``"flash_attn"``
-    (the flash-attn package) or ``"auto"`` (flash-attn on GPU when installed, else SDPA).
+    ``attention_backend``: see :func:`megatron_tsp.kernels.select_backend`.
     """
 
     def __init__(
@@ -59,15 +57,13 @@ class TSPSelfAttention(SelfAttention):
     ):
         group, weight_group = resolve_tsp_groups(pg_collection)
         check_attention_config(config, group.size(), attn_mask_type)
-        if attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS} (got {attention_backend!r})")
         super().__init__(config, submodules, layer_number, attn_mask_type, cp_comm_type, pg_collection)
         if self.tp_group.size() != group.size():
             raise ValueError("TSPSelfAttention: pg_collection.tp must be the TSP group")
         self.tsp_group = group
         self.weight_group = weight_group
         self.overlap_comm = overlap_comm
-        self.attention_backend = _select_backend(attention_backend)
+        self.attention_backend = select_backend(attention_backend)
         self.softmax_scale = config.softmax_scale or 1.0 / math.sqrt(self.hidden_size_per_attention_head)
         self.comm_scope = f"layer{self.layer_number}/attention"
 
@@ -108,18 +104,8 @@ class TSPSelfAttention(SelfAttention):
 
     def attend_and_project(self, query, keys, values, w_proj, rank: int) -> torch.Tensor:
         """Causal attention of local queries against the gathered keys, then Wproj_r."""
-        d_size = self.tsp_group.size()
-        chunk = query.size(0) // 2
-        outputs = []
-        for i, global_chunk in enumerate(zigzag.rank_chunks(d_size, rank)):
-            visible = (global_chunk + 1) * chunk  # keys at positions < end of this chunk
-            outputs.append(
-                causal_attention(
-                    query[i * chunk : (i + 1) * chunk], keys[:visible], values[:visible],
-                    self.softmax_scale, self.attention_backend,
-                )
-            )
-        out = torch.cat(outputs, dim=0)
+        out = zigzag_attention(query, keys, values, self.tsp_group.size(), rank,
+                               self.softmax_scale, self.attention_backend)
         return F.linear(out.flatten(2), w_proj)
 
     # ---- forward -----------------------------------------------------------------------
@@ -166,48 +152,23 @@ class TSPSelfAttention(SelfAttention):
         return output, self.linear_proj.bias
 
 
-def _select_backend(name: str) -> str:
-    if name == "auto":
-        return "flash_attn" if torch.cuda.is_available() and _flash_attn_func() is not None else "sdpa"
-    if name == "flash_attn" and _flash_attn_func() is None:
-        raise ValueError("attention_backend='flash_attn' needs the flash-attn package; install it or use 'sdpa'")
-    return name
+def zigzag_attention(query, keys, values, size: int, rank: int, scale: float, backend: str):
+    """Causal attention of a rank's zigzag query chunks against full-sequence keys.
 
-
-def _flash_attn_func():
-    try:
-        from flash_attn import flash_attn_func
-    except ImportError:
-        return None
-    return flash_attn_func
-
-
-def causal_attention(query, keys, values, scale: float, backend: str = "sdpa") -> torch.Tensor:
-    """Attention of ``sq`` queries that sit at the *end* of ``sk`` keys (causal, lower right).
-
-    query ``[sq, b, hq, d]``, keys/values ``[sk, b, hk, d]`` with hq a multiple of hk (GQA);
-    query i sees keys ``0 .. sk - sq + i``. Returns ``[sq, b, hq, d]``.
+    ``query`` ``[s/D, b, hq, d]`` holds chunks r and 2D-1-r; ``keys``/``values``
+    ``[S, b, hk, d]`` are in global order. Chunk c sees every key before it and itself
+    causally, so each chunk attends to the key prefix that ends with it.
     """
-    if backend == "flash_attn":
-        # flash-attn's causal mask is lower-right aligned and it handles GQA itself.
-        out = _flash_attn_func()(query.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
-                                 softmax_scale=scale, causal=True)
-        return out.transpose(0, 1)
-    from torch.nn.attention.bias import causal_lower_right
-
-    q = query.permute(1, 2, 0, 3)
-    k = keys.permute(1, 2, 0, 3)
-    v = values.permute(1, 2, 0, 3)
-    if k.size(1) != q.size(1):
-        repeat = q.size(1) // k.size(1)
-        k = k.repeat_interleave(repeat, dim=1)
-        v = v.repeat_interleave(repeat, dim=1)
-    mask = causal_lower_right(q.size(2), k.size(2))
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    return out.permute(2, 0, 1, 3)
+    chunk = query.size(0) // 2
+    outputs = []
+    for i, global_chunk in enumerate(zigzag.rank_chunks(size, rank)):
+        visible = (global_chunk + 1) * chunk
+        outputs.append(causal_attention(query[i * chunk : (i + 1) * chunk], keys[:visible],
+                                        values[:visible], scale, backend))
+    return torch.cat(outputs, dim=0)
 
 
-def _gather_kv(key, value, group, rank_order_to_global: torch.Tensor):
+def gather_kv(key, value, group, rank_order_to_global: torch.Tensor):
     """[s/D, b, g, d] x2 -> full-sequence K, V in global (natural) order."""
     local = torch.stack([key, value])  # [2, s/D, b, g, d]
     local = local.transpose(0, 1).contiguous()  # sequence first for the gather
@@ -217,12 +178,33 @@ def _gather_kv(key, value, group, rank_order_to_global: torch.Tensor):
     return full[:, 0], full[:, 1]
 
 
-def _scatter_kv_grads(d_keys, d_values, group, global_to_rank_order: torch.Tensor):
+def scatter_kv_grads(d_keys, d_values, group, global_to_rank_order: torch.Tensor):
     """Full-sequence dK, dV (global order) -> this rank's tokens, summed over ranks."""
     full = torch.stack([d_keys, d_values], dim=1).index_select(0, global_to_rank_order).contiguous()
     local = full.new_empty((full.size(0) // group.size(),) + tuple(full.shape[1:]))
     comm.reduce_scatter(local, full, group)
     return local[:, 0], local[:, 1]
+
+
+class AllGatherKV(torch.autograd.Function):
+    """K, V = all_gather_seq(k, v) in global order; backward: dk, dv = reduce_scatter(dK, dV).
+
+    For layers that differentiate through the gather with autograd (context-parallel
+    baselines); TSP attention calls :func:`gather_kv` inside its own backward schedule.
+    """
+
+    @staticmethod
+    def forward(ctx, key, value, group):
+        seq = key.size(0) * group.size()
+        ctx.group = group
+        return gather_kv(key, value, group, zigzag.inverse_permutation(seq, group.size(), key.device))
+
+    @staticmethod
+    def backward(ctx, d_keys, d_values):
+        group = ctx.group
+        perm = zigzag.permutation(d_keys.size(0), group.size(), d_keys.device)
+        dk, dv = scatter_kv_grads(d_keys.contiguous(), d_values.contiguous(), group, perm)
+        return dk, dv, None
 
 
 class _TSPAttentionFunction(torch.autograd.Function):
@@ -243,7 +225,7 @@ class _TSPAttentionFunction(torch.autograd.Function):
         with comm.scope(f"{layer.comm_scope}/forward"):
             for r, shard in stream:
                 q, k, v = layer.project_qkv(x, shard[:-1], freqs)
-                keys, values = _gather_kv(k, v, group, to_global)
+                keys, values = gather_kv(k, v, group, to_global)
                 y += layer.attend_and_project(q, keys, values, shard[-1], rank)
         ctx.layer = layer
         ctx.save_for_backward(freqs, x, *own)
@@ -269,13 +251,13 @@ class _TSPAttentionFunction(torch.autograd.Function):
                 leaves = [t.detach().requires_grad_() for t in shard]
                 with torch.enable_grad():
                     q, k, v = layer.project_qkv(x_leaf, leaves[:-1], freqs)
-                keys, values = _gather_kv(k.detach(), v.detach(), group, to_global)
+                keys, values = gather_kv(k.detach(), v.detach(), group, to_global)
                 q_in, keys, values = (t.detach().requires_grad_() for t in (q, keys, values))
                 with torch.enable_grad():
                     y_r = layer.attend_and_project(q_in, keys, values, leaves[-1], rank)
                 dq, d_keys, d_values, d_proj = torch.autograd.grad(y_r, (q_in, keys, values, leaves[-1]), dy)
                 del y_r, keys, values
-                dk, dv = _scatter_kv_grads(d_keys, d_values, group, to_rank_order)
+                dk, dv = scatter_kv_grads(d_keys, d_values, group, to_rank_order)
                 del d_keys, d_values
                 dx_r, *grads = torch.autograd.grad(
                     (q, k, v), (x_leaf, *leaves[:-1], *replicated), (dq, dk, dv)

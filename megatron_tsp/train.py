@@ -20,15 +20,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core import parallel_state as mpu
 from megatron.core.distributed import DistributedDataParallelConfig
-from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
-                                                      get_gpt_layer_with_transformer_engine_spec)
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import get_batch_on_this_cp_rank
 
 import megatron_tsp
 from megatron_tsp import checkpointing, data, training
+from megatron_tsp.baselines import get_gpt_layer_baseline_spec
 from megatron_tsp.compat import enable_cpu_support
 from megatron_tsp.env import transformer_engine_version
 from megatron_tsp.flops import flops_per_sequence_from_args
@@ -75,12 +76,25 @@ def transformer_config(args) -> TransformerConfig:
     )
 
 
-def layer_spec(args):
+def layer_spec(args, attention_backend: str = "auto"):
+    """TSP spec for --tsp-size > 1; else megatron's TransformerEngine spec where TE runs,
+    else the local spec with a memory-efficient core attention (baselines.py)."""
     if args.tsp_size > 1:
-        return megatron_tsp.get_gpt_layer_tsp_spec(qk_layernorm=args.qk_layernorm)
+        return megatron_tsp.get_gpt_layer_tsp_spec(qk_layernorm=args.qk_layernorm,
+                                                   attention_backend=attention_backend)
     if torch.cuda.is_available() and transformer_engine_version() is not None:
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_layernorm)
-    return get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm, normalization=args.normalization)
+    return get_gpt_layer_baseline_spec(qk_layernorm=args.qk_layernorm, normalization=args.normalization,
+                                       attention_backend=attention_backend)
+
+
+def batch_transform(args):
+    """Zigzag order for TSP; megatron's context-parallel slice for CP; nothing otherwise."""
+    if args.tsp_size > 1:
+        return lambda b: zigzag_batch(b, args.tsp_size)
+    if args.context_parallel_size > 1:
+        return get_batch_on_this_cp_rank
+    return None
 
 
 def _peak_memory_gib() -> float:
@@ -133,12 +147,6 @@ class Logger:
 
 def train(args, log_path: Optional[str] = None) -> Dict[str, Any]:
     """Run on every rank of an initialised process group; returns the last log record."""
-    if args.context_parallel_size > 1:
-        raise ValueError(
-            "--context-parallel-size > 1 is not supported by megatron-tsp train (context-parallel "
-            "batches and losses are Megatron-LM's); run TP x CP baselines with Megatron-LM: "
-            "scripts/pretrain_gpt_tsp.py $(megatron-tsp args CONFIG)"
-        )
     if not torch.cuda.is_available():
         enable_cpu_support()
     megatron_tsp.initialize_model_parallel(
@@ -204,7 +212,7 @@ def train(args, log_path: Optional[str] = None) -> Dict[str, Any]:
             data.ensure_corpus(args.data_path)
         dist.barrier()
     dataset = data.build_train_dataset(args, args.train_iters * global_batch, dp)
-    transform = (lambda b: zigzag_batch(b, args.tsp_size)) if args.tsp_size > 1 else None
+    transform = batch_transform(args)
     flops_per_step = flops_per_sequence_from_args(args, vocab) * global_batch
     logger = Logger(log_path)
     record: Dict[str, Any] = {}

@@ -21,7 +21,6 @@ from megatron.core.distributed import (
 from megatron.core.models.gpt import GPTModel
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
-from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -49,8 +48,9 @@ def build_model(
         share_embeddings_and_output_weights=share_embeddings_and_output_weights,
         position_embedding_type=position_embedding_type,
     )
-    if config.bf16 or config.fp16:
-        model = Float16Module(config, model)  # params in bf16/fp16, as Megatron-LM does
+    # bf16/fp16 runs create their parameters in that dtype (config.params_dtype); megatron's
+    # Float16Module would only cast them again (and cannot, under the memory planner's
+    # FakeTensorMode).
     ddp_config = ddp_config or DistributedDataParallelConfig()
     ddp = DistributedDataParallel(config, ddp_config, model)
     # Same initial weights on every data-parallel replica, as Megatron-LM does.
@@ -59,8 +59,8 @@ def build_model(
 
 
 def unwrap(chunk: torch.nn.Module) -> GPTModel:
-    """The GPTModel inside DDP (and Float16Module)."""
-    while isinstance(chunk, (DistributedDataParallel, Float16Module)):
+    """The GPTModel inside DDP."""
+    while isinstance(chunk, DistributedDataParallel):
         chunk = chunk.module
     return chunk
 
@@ -70,12 +70,23 @@ def build_optimizer(model: List[DistributedDataParallel], optimizer_config: Opti
 
 
 def masked_mean_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
-    """Mean of the per-token losses over the tokens the mask keeps."""
+    """Mean of the per-token losses over the tokens the mask keeps.
+
+    Under context parallelism a rank holds part of each sequence: it returns its share
+    (local sum over the *global* token count); megatron's schedule scales it by the CP size
+    and DDP averages over DP x CP, so the gradient is that of the global mean.
+    """
     losses = output_tensor.float().view(-1)
     mask = loss_mask.float().view(-1)
-    loss = torch.sum(losses * mask) / mask.sum().clamp(min=1.0)
-    # clone: the schedule divides the returned loss in place by the micro-batch count
-    return loss, {"lm loss": loss.detach().clone()}
+    count = mask.sum()
+    cp_group = mpu.get_context_parallel_group()
+    if cp_group.size() > 1:
+        torch.distributed.all_reduce(count, group=cp_group)
+    loss = torch.sum(losses * mask) / count.clamp(min=1.0)
+    report = loss.detach().clone()  # clone: the schedule scales the loss in place
+    if cp_group.size() > 1:
+        torch.distributed.all_reduce(report, group=cp_group)
+    return loss, {"lm loss": report}
 
 
 def make_forward_step(batch_transform: Optional[Callable[[Batch], Batch]] = None):

@@ -15,9 +15,11 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import get_batch_on_this_cp_rank
 
 import megatron_tsp
 from megatron_tsp import checkpointing, training, zigzag_batch
+from megatron_tsp.baselines import get_gpt_layer_baseline_spec
 
 VOCAB = 128
 SEQ = 32
@@ -62,14 +64,16 @@ def batches(n, seq=SEQ, micro_batch=MICRO_BATCH, vocab=VOCAB, seed=0):
     return out
 
 
-def setup(mode, model="modern", tsp=1, tp=1, pp=1, recompute=None, overlap_grad_reduce=False,
+def setup(mode, model="modern", tsp=1, tp=1, cp=1, pp=1, recompute=None, overlap_grad_reduce=False,
           use_distributed_optimizer=True):
-    """Process groups, model (DDP-wrapped chunks), optimizer and batch transform for a mode."""
+    """Process groups, model (DDP-wrapped chunks), optimizer and batch transform for a mode:
+    ``single``/``tp``/``tp-sp`` (stock local spec), ``tp-cp`` (baseline spec, TP+SP x CP),
+    ``tsp``."""
     size = tsp if mode == "tsp" else tp
     if mode == "tsp":
         megatron_tsp.initialize_model_parallel(tsp_size=tsp, pipeline_model_parallel_size=pp)
     else:
-        megatron_tsp.initialize_model_parallel(tensor_model_parallel_size=tp,
+        megatron_tsp.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp,
                                                pipeline_model_parallel_size=pp)
     overrides, position_embedding_type = MODELS[model]
     extra = {}
@@ -78,10 +82,15 @@ def setup(mode, model="modern", tsp=1, tp=1, pp=1, recompute=None, overlap_grad_
         if recompute == "full":
             extra.update(recompute_method="uniform", recompute_num_layers=1)
     config = tiny_config(**overrides, **extra, tensor_model_parallel_size=size,
-                         pipeline_model_parallel_size=pp,
-                         sequence_parallel=mode == "tsp" and tsp > 1 or mode == "tp-sp")
-    spec = megatron_tsp.get_gpt_layer_tsp_spec() if mode == "tsp" else get_gpt_layer_local_spec(
-        normalization=config.normalization)
+                         pipeline_model_parallel_size=pp, context_parallel_size=cp,
+                         sequence_parallel=(mode == "tsp" and tsp > 1) or mode == "tp-sp"
+                         or (mode == "tp-cp" and tp > 1))
+    if mode == "tsp":
+        spec = megatron_tsp.get_gpt_layer_tsp_spec()
+    elif mode == "tp-cp":
+        spec = get_gpt_layer_baseline_spec(normalization=config.normalization)
+    else:
+        spec = get_gpt_layer_local_spec(normalization=config.normalization)
     torch.manual_seed(SEED)
     model_parallel_cuda_manual_seed(SEED)
     chunks = training.build_model(
@@ -92,7 +101,7 @@ def setup(mode, model="modern", tsp=1, tp=1, pp=1, recompute=None, overlap_grad_
     optimizer = training.build_optimizer(
         chunks, OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=1.0, weight_decay=0.01,
                                 use_distributed_optimizer=use_distributed_optimizer))
-    transform = (lambda b: zigzag_batch(b, tsp)) if mode == "tsp" else None
+    transform = {"tsp": lambda b: zigzag_batch(b, tsp), "tp-cp": get_batch_on_this_cp_rank}.get(mode)
     return chunks, optimizer, transform
 
 

@@ -1,7 +1,8 @@
 """Stock megatron-core GPT on CPU/gloo: world=1, TP=2, TP=2+SP and TP=4+SP train alike.
 
 These are the baselines TSP is measured against; they also exercise every CPU shim on the
-GPTModel + DDP + DistributedOptimizer + get_forward_backward_func path.
+GPTModel + DDP + DistributedOptimizer + get_forward_backward_func path. TP x CP uses the
+baseline spec (stock modules, memory-efficient core attention with all-gather CP).
 """
 
 import pytest
@@ -19,6 +20,12 @@ def test_tensor_parallel_matches_single_process(ranks, reference, mode, tp):
     for history in ranks(tp, run, mode, "classic", tp=tp):
         assert_history_close(history, reference)
     assert reference[-1][0] < reference[0][0], "loss should fall over 3 Adam steps"
+
+
+@pytest.mark.parametrize("tp,cp", [(1, 2), (2, 2)])
+def test_tp_cp_baseline_with_flash_core_attention_matches(ranks, reference, tp, cp):
+    for history in ranks(tp * cp, run, "tp-cp", "classic", tp=tp, cp=cp):
+        assert_history_close(history, reference)
 
 
 def test_plain_optimizer_matches_distributed_optimizer(ranks, reference):

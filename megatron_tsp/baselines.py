@@ -1,0 +1,77 @@
+"""The TP, TP+SP and TP x CP baselines, built from stock megatron-core modules.
+
+Only the core attention differs from ``get_gpt_layer_local_spec``: megatron's
+``DotProductAttention`` materialises the ``[b, a, S, S]`` scores and refuses context
+parallelism without TransformerEngine, so a fair comparison with TSP (which uses a
+memory-efficient kernel) needs :class:`FlashDotProductAttention`: the same contract,
+computed by a flash-style kernel, causal, and with context parallelism by all-gathering
+K/V over the CP group (TransformerEngine's ``cp_comm_type="all_gather"``) on megatron's
+zigzag CP layout. On GPUs with TransformerEngine, ``megatron-tsp train`` uses
+megatron's TE spec instead.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import Optional
+
+import torch
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_tsp.attention import AllGatherKV, zigzag_attention
+from megatron_tsp.kernels import causal_attention, select_backend
+
+
+class FlashDotProductAttention(MegatronModule):
+    """Causal core attention for stock megatron attention, without the S x S scores.
+
+    Takes ``[sq, b, heads, d]`` query/key/value as ``DotProductAttention`` does and returns
+    ``[sq, b, heads * d]``. Under context parallelism the local sequence is this CP rank's
+    zigzag chunks; K/V are all-gathered over the CP group and each query chunk attends to
+    the key prefix ending with it.
+    """
+
+    def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
+                 attention_type: str, attention_dropout: Optional[float] = None,
+                 softmax_scale: Optional[float] = None, cp_comm_type: Optional[str] = None,
+                 pg_collection=None, attention_backend: str = "auto"):
+        super().__init__(config=config)
+        if attn_mask_type != AttnMaskType.causal:
+            raise ValueError(f"FlashDotProductAttention supports causal attention only (got {attn_mask_type.name})")
+        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        if dropout > 0:
+            raise ValueError("FlashDotProductAttention does not support attention dropout; set --attention-dropout 0")
+        self.cp_group = pg_collection.cp if pg_collection is not None else None
+        if self.cp_group is None:
+            from megatron.core import parallel_state
+
+            self.cp_group = parallel_state.get_context_parallel_group()
+        self.softmax_scale = softmax_scale or 1.0 / math.sqrt(config.kv_channels)
+        self.backend = select_backend(attention_backend)
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if packed_seq_params is not None or attention_bias is not None:
+            raise NotImplementedError("FlashDotProductAttention: packed sequences and attention bias are not supported")
+        cp = self.cp_group.size()
+        if cp == 1:
+            out = causal_attention(query, key, value, self.softmax_scale, self.backend)
+        else:
+            keys, values = AllGatherKV.apply(key, value, self.cp_group)
+            out = zigzag_attention(query, keys, values, cp, self.cp_group.rank(), self.softmax_scale, self.backend)
+        return out.reshape(out.size(0), out.size(1), -1)
+
+
+def get_gpt_layer_baseline_spec(qk_layernorm: bool = False, normalization: str = "LayerNorm",
+                                attention_backend: str = "auto") -> ModuleSpec:
+    """megatron's local spec with :class:`FlashDotProductAttention` as core attention."""
+    spec = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization=normalization)
+    # megatron calls submodules.core_attention(...) directly (no build_module): a callable
+    spec.submodules.self_attention.submodules.core_attention = partial(
+        FlashDotProductAttention, attention_backend=attention_backend)
+    return spec
