@@ -101,6 +101,22 @@ def _cmd_compare(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_memory(ns: argparse.Namespace) -> int:
+    from megatron_tsp import config, memory
+
+    modes = [m.strip() for m in ns.modes.split(",") if m.strip()]
+    result = memory.plan_modes(ns.config, modes, world_size=ns.world_size, cp=ns.cp,
+                               overrides=config.overrides(ns))
+    print(memory.table(result))
+    if ns.json:
+        os.makedirs(os.path.dirname(os.path.abspath(ns.json)), exist_ok=True)
+        with open(ns.json, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=2)
+    if ns.plot:
+        memory.plot(result, ns.plot)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="megatron-tsp",
@@ -133,6 +149,22 @@ def build_parser() -> argparse.ArgumentParser:
                        help="timeout of every collective")
     config.add_arguments(train)
     train.set_defaults(func=_cmd_train)
+
+    mem = sub.add_parser(
+        "memory", help="peak memory per category of one rank at full size (FakeTensorMode, no GPU)",
+        description="One training step of rank 0 of the configured job under FakeTensorMode with "
+                    "the fake process-group backend, for each mode at the same model-parallel "
+                    "size, global shapes and recompute setting.")
+    mem.add_argument("config", help="YAML config")
+    mem.add_argument("--modes", default="tsp,tp,tp-sp,tp-cp", help="comma-separated: tsp,tp,tp-sp,tp-cp")
+    mem.add_argument("--cp", type=int, default=2, help="context-parallel size of the tp-cp mode")
+    mem.add_argument("--world-size", type=int, default=None,
+                     help="ranks of the job (default: the model-parallel size, one replica)")
+    mem.add_argument("--json", help="write the results here")
+    mem.add_argument("--plot", help="write a stacked bar chart (PNG) here")
+    config.add_arguments(mem, keys=["num_layers", "seq_length", "max_position_embeddings",
+                                    "micro_batch_size", "recompute_granularity"])
+    mem.set_defaults(func=_cmd_memory)
 
     cmp = sub.add_parser("compare", help="table of several runs' iteration logs (JSON lines or Megatron text)")
     cmp.add_argument("runs", nargs="+", help="log files or run directories")

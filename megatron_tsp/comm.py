@@ -103,7 +103,7 @@ def all_gather(output: torch.Tensor, local: torch.Tensor, group: dist.ProcessGro
     """``output`` = concatenation over group ranks of ``local`` along dim 0."""
     n = (group.size() - 1) * _nbytes(local)
     COUNTER.record("all_gather", n, n)
-    return _all_gather_single(output, local, group=group, async_op=async_op)
+    return _all_gather_single()(output, local, group=group, async_op=async_op)
 
 
 def reduce_scatter(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup,
@@ -111,7 +111,7 @@ def reduce_scatter(output: torch.Tensor, full: torch.Tensor, group: dist.Process
     """``output`` on rank r = sum over ranks of the r-th dim-0 slice of ``full``."""
     n = (group.size() - 1) * _nbytes(output)
     COUNTER.record("reduce_scatter", n, n)
-    return _reduce_scatter_single(output, full, group=group, async_op=async_op)
+    return _reduce_scatter_single()(output, full, group=group, async_op=async_op)
 
 
 def reduce(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup, async_op: bool = False):
@@ -143,6 +143,11 @@ def wait(handles) -> None:
 
 
 # torch >= 2.13 renamed the tensor-in/tensor-out collectives; older releases have only the
-# original names.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# original names. Looked up per call, so that a wrapper installed on torch.distributed (the
+# memory planner's) sees these calls too.
+def _all_gather_single():
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _reduce_scatter_single():
+    return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

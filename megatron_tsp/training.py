@@ -65,8 +65,9 @@ def unwrap(chunk: torch.nn.Module) -> GPTModel:
     return chunk
 
 
-def build_optimizer(model: List[DistributedDataParallel], optimizer_config: OptimizerConfig):
-    return get_megatron_optimizer(optimizer_config, model)
+def build_optimizer(model: List[DistributedDataParallel], optimizer_config: OptimizerConfig,
+                    use_gloo_process_groups: bool = True):
+    return get_megatron_optimizer(optimizer_config, model, use_gloo_process_groups=use_gloo_process_groups)
 
 
 def masked_mean_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor):

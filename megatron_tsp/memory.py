@@ -1,0 +1,371 @@
+"""Memory planner: one training step of one rank of the real model, at full size, on no memory.
+
+``plan(values, mode)`` builds the configured model with megatron-core (the TSP spec, or the
+stock modules of a TP / TP+SP / TP x CP baseline with the same memory-efficient attention),
+wraps it in DDP with the configured optimizer, and runs one full training step of rank 0 of
+a ``world_size`` job under ``FakeTensorMode`` with torch's ``fake`` process-group backend:
+every tensor has its real shape and dtype and no storage, every collective is a no-op. A
+dispatch mode tracks every storage alive during the step and attributes the peak to
+
+* ``parameters``, ``gradients`` (megatron's grad buffers), ``optimizer`` (states and fp32
+  main weights) by identity, after the model and optimizer are built;
+* ``activations``: tensors autograd saves for backward (forward and recomputation);
+* ``communication``: receive buffers of collectives (gathered activations or K/V,
+  streamed weight shards) while they live;
+* ``temporaries``: everything else (outputs in flight, gradients of activations, ...).
+
+The same step is run under ``FlopCounterMode`` and :func:`instrument.count_collectives`, so
+one plan also yields FLOPs and bytes moved per process group. Values do not exist: a
+data-dependent scalar (a loss or norm read with ``.item()``) reads as 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import weakref
+from typing import Dict, Iterator, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from megatron_tsp import config as cfg
+
+CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "communication", "temporaries")
+MODES = ("tsp", "tp", "tp-sp", "tp-cp")
+GIB = 2**30
+
+
+class StorageTracker(TorchDispatchMode):
+    """Live bytes per category over time; the per-category breakdown at the peak."""
+
+    def __init__(self, fake_scalars: bool = True) -> None:
+        super().__init__()
+        self.fake_scalars = fake_scalars
+        self.peak_op = None
+        self.category: Dict[int, str] = {}  # storage id -> category
+        self.size: Dict[int, int] = {}
+        self._refs: Dict[int, weakref.ref] = {}
+        self.live = dict.fromkeys(CATEGORIES, 0)
+        self.peak = 0
+        self.peak_by_category = dict(self.live)
+        self.default = "temporaries"
+
+    @staticmethod
+    def _key(st) -> int:
+        return st._cdata
+
+    def _add(self, t: torch.Tensor, category: str) -> None:
+        st = t.untyped_storage()
+        key = self._key(st)
+        if key in self.category:
+            return
+        self.category[key] = category
+        self.size[key] = st.nbytes()
+        self.live[category] += st.nbytes()
+        self._refs[key] = weakref.ref(st, lambda _, key=key: self._free(key))
+        self._update_peak()
+
+    def _free(self, key: int) -> None:
+        category = self.category.pop(key, None)
+        if category is not None:
+            self.live[category] -= self.size.pop(key)
+            self._refs.pop(key, None)
+
+    def _update_peak(self) -> None:
+        total = sum(self.live.values())
+        if total > self.peak:
+            self.peak = total
+            self.peak_by_category = dict(self.live)
+            self.peak_op = self._current_op
+
+    def tag(self, tensors, category: str, only_from=None) -> None:
+        """(Re)attribute the storages of ``tensors`` to ``category`` (starting to track them)."""
+        for t in tensors:
+            if not isinstance(t, torch.Tensor):
+                continue
+            key = self._key(t.untyped_storage())
+            if key not in self.category:
+                self._add(t, category)
+            elif only_from is None or self.category[key] in only_from:
+                old = self.category[key]
+                self.live[old] -= self.size[key]
+                self.live[category] += self.size[key]
+                self.category[key] = category
+
+    def reset_peak(self) -> None:
+        self.peak = 0
+        self._update_peak()
+
+    _current_op = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.fake_scalars and func is torch.ops.aten._local_scalar_dense.default:
+            return False if args[0].dtype == torch.bool else 1
+        out = func(*args, **(kwargs or {}))
+        self._current_op = f"{func.__name__}{' (backward)' if torch._C._current_graph_task_id() != -1 else ''}"
+        for t in out if isinstance(out, (list, tuple)) else [out]:
+            if isinstance(t, torch.Tensor):
+                self._add(t, self.default)
+        return out
+
+
+def mode_values(values: Dict, mode: str, cp: int = 2) -> Dict:
+    """The config with its model-parallel size D re-laid out as ``mode`` (same model, batch,
+    sequence and recompute): tsp = TSP D; tp = TP D; tp-sp = TP D + SP; tp-cp = TP D/cp x CP cp."""
+    v = dict(values)
+    d = max(v.get("tsp_size", 1), 1) * max(v.get("tensor_model_parallel_size", 1), 1) * \
+        max(v.get("context_parallel_size", 1), 1)
+    for key in ("tsp_size", "tensor_model_parallel_size", "context_parallel_size", "sequence_parallel"):
+        v.pop(key, None)
+    if mode == "tsp":
+        v.update(tsp_size=d)
+    elif mode == "tp":
+        v.update(tensor_model_parallel_size=d)
+    elif mode == "tp-sp":
+        v.update(tensor_model_parallel_size=d, sequence_parallel=True)
+    elif mode == "tp-cp":
+        if d % cp:
+            raise cfg.ConfigError(f"mode tp-cp: model-parallel size {d} is not divisible by --cp {cp}")
+        v.update(tensor_model_parallel_size=d // cp, context_parallel_size=cp, sequence_parallel=d // cp > 1)
+    else:
+        raise cfg.ConfigError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
+    return v
+
+
+@contextlib.contextmanager
+def _valueless() -> Iterator[None]:
+    """Fake tensors have no values: make megatron's value bookkeeping a no-op. RNG states
+    (dropout forks, activation-checkpoint replays) are not saved or restored, and the
+    gradient norm (a scalar; megatron's torch fallback reads values) is 1."""
+    from megatron.core.optimizer import optimizer as moptimizer
+    from megatron.core.tensor_parallel import random as mrandom
+
+    saved = (mrandom._get_all_rng_states, mrandom._set_all_rng_states, moptimizer.get_grad_norm_fp32)
+    mrandom._get_all_rng_states = lambda: (None, None, None)
+    mrandom._set_all_rng_states = lambda *states: None
+    moptimizer.get_grad_norm_fp32 = lambda *args, **kwargs: 1.0
+    mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    try:
+        yield
+    finally:
+        mrandom._get_all_rng_states, mrandom._set_all_rng_states, moptimizer.get_grad_norm_fp32 = saved
+        mrandom.initialize_rng_tracker(force_reset=True)
+
+
+@contextlib.contextmanager
+def _fake_world(world_size: int) -> Iterator[None]:
+    """Rank 0 of ``world_size`` on torch's ``fake`` backend (collectives are no-ops). Every
+    other rank mirrors rank 0, so object collectives return rank 0's object for all.
+    FakeTensorMode has no kernel for coalesced collectives, so megatron's gradient buffers
+    issue their (no-op) collectives one by one."""
+    from megatron.core.distributed import param_and_grad_buffer
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    saved = dist.all_gather_object
+
+    def all_gather_object(object_list, obj, group=None):
+        object_list[:] = [copy.deepcopy(obj) for _ in object_list]
+
+    dist.all_gather_object = all_gather_object
+    saved_coalescing = param_and_grad_buffer._coalescing_manager
+    param_and_grad_buffer._coalescing_manager = _NoCoalescing
+    try:
+        yield
+    finally:
+        dist.all_gather_object = saved
+        param_and_grad_buffer._coalescing_manager = saved_coalescing
+        dist.destroy_process_group()
+
+
+class _NoCoalescing(contextlib.AbstractContextManager):
+    def __init__(self, group=None, device=None, async_ops=False):
+        pass
+
+    def __exit__(self, *exc):
+        return False
+
+    def wait(self):
+        pass
+
+
+def _optimizer_tensors(optimizer) -> List[torch.Tensor]:
+    tensors = []
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = opt.optimizer
+        for group in inner.param_groups:
+            tensors.extend(group["params"])  # fp32 main weights (or views of the model's)
+        for state in inner.state.values():
+            tensors.extend(v for v in state.values() if isinstance(v, torch.Tensor))
+    return tensors
+
+
+def plan(values: Dict, mode: str, world_size: Optional[int] = None, cp: int = 2,
+         attention_backend: str = "flash_op") -> Dict:
+    """Peak memory by category, FLOPs and communication of one training step of rank 0 of a
+    ``world_size`` job (default: one replica), at full size, under FakeTensorMode."""
+    args, model_parallel = _args(values, mode, cp)
+    world_size = world_size or model_parallel
+    with _fake_world(world_size):
+        return _run(args, world_size, StorageTracker(fake_scalars=True), attention_backend, fake=True)
+
+
+def measure(values: Dict, mode: str, cp: int = 2, attention_backend: str = "flash_op") -> Dict:
+    """The same step for real, on this rank of the current process group (the planner's
+    check: with real tensors the tracker must see what it sees under FakeTensorMode)."""
+    args, _ = _args(values, mode, cp)
+    return _run(args, dist.get_world_size(), StorageTracker(fake_scalars=False), attention_backend, fake=False)
+
+
+def _args(values: Dict, mode: str, cp: int):
+    args = cfg.resolve(mode_values(values, mode, cp))
+    model_parallel = (args.tsp_size * args.tensor_model_parallel_size * args.context_parallel_size
+                      * args.pipeline_model_parallel_size)
+    return args, model_parallel
+
+
+def _run(args, world_size: int, tracker: StorageTracker, attention_backend: str, fake: bool) -> Dict:
+    import megatron_tsp
+
+    from megatron_tsp import data, instrument
+    from megatron_tsp.compat import enable_cpu_support
+
+    if not torch.cuda.is_available():
+        enable_cpu_support()
+    model_parallel = (args.tsp_size * args.tensor_model_parallel_size * args.context_parallel_size
+                      * args.pipeline_model_parallel_size)
+    vocab = data.padded_vocab_size(args.vocab_size or 32000, args.make_vocab_size_divisible_by,
+                                   args.tsp_size * args.tensor_model_parallel_size)
+    megatron_tsp.initialize_model_parallel(
+        tsp_size=args.tsp_size, pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        context_parallel_size=args.context_parallel_size, create_gloo_process_groups=False)
+    if not fake:
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+        torch.manual_seed(args.seed)
+        model_parallel_cuda_manual_seed(args.seed)
+    try:
+        static, flops, records = _step(args, vocab, tracker, attention_backend, fake)
+    finally:
+        megatron_tsp.destroy_model_parallel()
+    return {
+        "parallel": {"tsp": args.tsp_size, "tp": args.tensor_model_parallel_size,
+                     "cp": args.context_parallel_size, "pp": args.pipeline_model_parallel_size,
+                     "dp": world_size // model_parallel, "sequence_parallel": args.sequence_parallel,
+                     "world_size": world_size},
+        "peak_gib": tracker.peak / GIB,
+        "by_category_gib": {c: tracker.peak_by_category[c] / GIB for c in CATEGORIES},
+        "peak_at": tracker.peak_op,
+        "static_gib": static / GIB,
+        "flops_per_rank": flops,
+        "comm_bytes_received": instrument.totals(records),
+        "comm": instrument.as_dict(records),
+    }
+
+
+def _step(args, vocab, tracker, attention_backend, fake: bool = True):
+    """Build model and optimizer and run one step under ``tracker``; with ``fake``, under
+    FakeTensorMode (else for real, to check the planner against)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+
+    from megatron_tsp import instrument, training
+    from megatron_tsp.train import batch_transform, layer_spec, transformer_config
+
+    valueless = (_valueless(), FakeTensorMode(allow_non_fake_inputs=True)) if fake else ()
+    with contextlib.ExitStack() as stack:
+        for ctx in valueless + (tracker,):
+            stack.enter_context(ctx)
+        config = transformer_config(args)
+        model = training.build_model(
+            config, layer_spec(args, attention_backend), vocab, args.max_position_embeddings,
+            position_embedding_type=args.position_embedding_type,
+            share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+            ddp_config=DistributedDataParallelConfig(
+                use_distributed_optimizer=args.use_distributed_optimizer,
+                grad_reduce_in_fp32=args.bf16 or args.fp16),
+        )
+        # No gradient clipping: megatron's torch fallback for the norm reads values (scalars,
+        # no memory to speak of).
+        optimizer = training.build_optimizer(model, OptimizerConfig(
+            optimizer="adam", lr=args.lr, weight_decay=args.weight_decay, clip_grad=0.0,
+            bf16=args.bf16, fp16=args.fp16, params_dtype=config.params_dtype,
+            use_distributed_optimizer=args.use_distributed_optimizer),
+            use_gloo_process_groups=False)
+        for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+            opt._init_optimizer_states_with_dummy_values()  # steady state: Adam moments exist
+        chunk = model[0]
+        grads = [b.grad_data for b in chunk.buffers + chunk.expert_parallel_buffers]
+        tracker.tag(grads, "gradients", only_from=None)
+        tracker.tag(list(chunk.module.parameters()) + list(chunk.module.buffers()), "parameters", only_from=None)
+        param_buffers = [b.param_data for b in chunk.buffers if b.param_data is not None]
+        tracker.tag(param_buffers, "parameters", only_from=None)
+        tracker.tag(_optimizer_tensors(optimizer), "optimizer", only_from=("temporaries",))
+        # Whatever else the build left alive (the build's own transients are gone).
+        static = sum(tracker.live.values())
+        tracker.reset_peak()
+
+        tokens = torch.zeros(args.micro_batch_size, args.seq_length, dtype=torch.long)
+        batch = {"tokens": tokens, "labels": tokens, "loss_mask": torch.ones(tokens.shape),
+                 "position_ids": torch.zeros_like(tokens), "attention_mask": None}
+        saved = torch.autograd.graph.saved_tensors_hooks(
+            lambda t: (tracker.tag([t], "activations", only_from=("temporaries", "communication")), t)[1],
+            lambda t: t)
+        flops = FlopCounterMode(display=False)
+        receive = lambda t: tracker.tag([t], "communication", only_from=("temporaries",))
+        with saved, flops, instrument.count_collectives(on_output=receive) as records:
+            training.train_step(model, optimizer, [batch], 1, args.seq_length, args.micro_batch_size,
+                                batch_transform=batch_transform(args))
+    return static, flops.get_total_flops(), records
+
+
+def plan_modes(config_path: str, modes: List[str], world_size: Optional[int] = None, cp: int = 2,
+               overrides: Optional[Dict] = None) -> Dict:
+    values = cfg.load_config(config_path)
+    values.update(overrides or {})
+    results = {mode: plan(copy.deepcopy(values), mode, world_size, cp) for mode in modes}
+    seq = cfg.resolve(mode_values(values, modes[0], cp)).seq_length
+    return {"config": config_path, "seq_length": seq, "modes": results}
+
+
+def table(result: Dict) -> str:
+    lines = [f"config {result['config']}, seq_length {result['seq_length']} (GiB = 2^30 bytes, rank 0)",
+             "| mode | layout | peak GiB | " + " | ".join(CATEGORIES) + " | TFLOP/rank |",
+             "|---|---|---|" + "---|" * len(CATEGORIES) + "---|"]
+    for mode, r in result["modes"].items():
+        p = r["parallel"]
+        layout = f"tsp{p['tsp']} tp{p['tp']} cp{p['cp']} pp{p['pp']} dp{p['dp']}" + (" sp" if p["sequence_parallel"] else "")
+        cats = " | ".join(f"{r['by_category_gib'][c]:.2f}" for c in CATEGORIES)
+        lines.append(f"| {mode} | {layout} | {r['peak_gib']:.2f} | {cats} | {r['flops_per_rank'] / 1e12:.1f} |")
+    return "\n".join(lines)
+
+
+def plot(result: Dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = list(result["modes"])
+    fig, ax = plt.subplots(figsize=(1.6 * len(modes) + 3, 4.5))
+    bottom = [0.0] * len(modes)
+    for category in CATEGORIES:
+        heights = [result["modes"][m]["by_category_gib"][category] for m in modes]
+        ax.bar(modes, heights, bottom=bottom, label=category)
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    for i, m in enumerate(modes):
+        ax.text(i, bottom[i], f"{result['modes'][m]['peak_gib']:.1f}", ha="center", va="bottom")
+    ax.set_ylabel("peak memory of rank 0 (GiB)")
+    ax.set_title(f"{result['config']} (S={result['seq_length']})")
+    ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
