@@ -117,6 +117,51 @@ def _cmd_memory(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_predict(ns: argparse.Namespace) -> int:
+    from megatron_tsp import config, perfmodel
+
+    hw = perfmodel.load_hardware(ns.hardware)
+    seqs = [int(x) for x in ns.sweep.split(",")] if ns.sweep else None
+    modes = [m.strip() for m in ns.modes.split(",") if m.strip()]
+    result = perfmodel.predict(ns.config, hw, ns.nodes, modes, ns.cp, seqs, config.overrides(ns))
+    print(perfmodel.table(result))
+    if ns.json:
+        os.makedirs(os.path.dirname(os.path.abspath(ns.json)), exist_ok=True)
+        with open(ns.json, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=2, default=str)
+    return 0
+
+
+def _cmd_bench(ns: argparse.Namespace) -> int:
+    from megatron_tsp import bench, launch
+
+    path = ns.config or os.path.join(os.path.dirname(default_config_path()), "bench-cpu.yaml")
+    seqs = [int(x) for x in ns.seq.split(",")]
+    modes = [m.strip() for m in ns.modes.split(",") if m.strip()]
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: every rank here
+        import torch
+        import torch.distributed as dist
+
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        result = bench.run(path, seqs, modes, ns.repeats, ns.steps, ns.warmup,
+                           lambda fn, *a: [fn(*a)], dist.get_world_size())
+        if dist.get_rank() == 0:
+            print(bench.table(result))
+            bench.write(result, ns.out, ns.name)
+        return 0
+    pool = launch.WorkerPool(ns.nproc)
+    try:
+        result = bench.run(path, seqs, modes, ns.repeats, ns.steps, ns.warmup,
+                           lambda fn, *a: pool.run(fn, *a, timeout_s=ns.timeout_s), ns.nproc)
+    finally:
+        pool.close()
+    print(bench.table(result))
+    print("wrote", ", ".join(bench.write(result, ns.out, ns.name)))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="megatron-tsp",
@@ -165,6 +210,37 @@ def build_parser() -> argparse.ArgumentParser:
     config.add_arguments(mem, keys=["num_layers", "seq_length", "max_position_embeddings",
                                     "micro_batch_size", "recompute_granularity"])
     mem.set_defaults(func=_cmd_memory)
+
+    pred = sub.add_parser(
+        "predict", help="step time and tokens/s from counted FLOPs and bytes on a hardware profile",
+        description="Counts FLOPs and collective bytes of the real model with the memory planner "
+                    "(1 and 2 layers, extrapolated) and times them on a hardware profile.")
+    pred.add_argument("config", help="YAML config")
+    pred.add_argument("--hardware", required=True, help="configs/hardware/<name>.yaml")
+    pred.add_argument("--nodes", type=int, default=1, help="nodes of the job")
+    pred.add_argument("--modes", default="tsp,tp,tp-sp,tp-cp", help="comma-separated modes")
+    pred.add_argument("--cp", type=int, default=2, help="context-parallel size of tp-cp")
+    pred.add_argument("--sweep", default=None,
+                      help="comma-separated sequence lengths for the TSP / TP+SP crossover")
+    pred.add_argument("--json", help="write the results here")
+    config.add_arguments(pred, keys=["micro_batch_size", "recompute_granularity"])
+    pred.set_defaults(func=_cmd_predict)
+
+    bn = sub.add_parser(
+        "bench", help="time TSP, TP+SP and TP x CP training steps side by side on this machine",
+        description="Interleaved blocks of timed training steps of every mode on the same ranks; "
+                    "writes JSON, a markdown table and a PNG.")
+    bn.add_argument("config", nargs="?", help="YAML config (default: configs/bench-cpu.yaml)")
+    bn.add_argument("--seq", default="256,1024,4096", help="comma-separated sequence lengths")
+    bn.add_argument("--modes", default="tsp,tsp-no-overlap,tp-sp,tp-cp", help="comma-separated modes")
+    bn.add_argument("--repeats", type=int, default=3, help="interleaved blocks per mode")
+    bn.add_argument("--steps", type=int, default=3, help="timed steps per block")
+    bn.add_argument("--warmup", type=int, default=1, help="untimed steps per block")
+    bn.add_argument("--nproc", type=int, default=2, help="gloo ranks to spawn without torchrun")
+    bn.add_argument("--timeout-s", type=float, default=1800.0, help="deadline of one block")
+    bn.add_argument("--out", default="bench/results", help="output folder")
+    bn.add_argument("--name", default="bench-cpu", help="file stem of the results")
+    bn.set_defaults(func=_cmd_bench)
 
     cmp = sub.add_parser("compare", help="table of several runs' iteration logs (JSON lines or Megatron text)")
     cmp.add_argument("runs", nargs="+", help="log files or run directories")

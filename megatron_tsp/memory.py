@@ -33,10 +33,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from megatron_tsp import config as cfg
+from megatron_tsp import kernels  # noqa: F401  (registers the flash_attention op)
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "communication", "temporaries")
 MODES = ("tsp", "tp", "tp-sp", "tp-cp")
 GIB = 2**30
+
+
+_ATTENTION_OPS = {torch.ops.megatron_tsp.flash_attention, torch.ops.megatron_tsp.flash_attention_backward,
+                  torch.ops.aten._scaled_dot_product_flash_attention,
+                  torch.ops.aten._scaled_dot_product_efficient_attention}
 
 
 class StorageTracker(TorchDispatchMode):
@@ -50,6 +56,7 @@ class StorageTracker(TorchDispatchMode):
         self.peak_largest = []
         self.origin: Dict[int, str] = {}
         self.flops = 0
+        self.attention_flops = 0
         self.category: Dict[int, str] = {}  # storage id -> category
         self.size: Dict[int, int] = {}
         self._refs: Dict[int, weakref.ref] = {}
@@ -120,7 +127,10 @@ class StorageTracker(TorchDispatchMode):
         if formula is not None:
             # torch's FLOP formulas, applied here rather than under FlopCounterMode, whose
             # module hooks keep activations alive and would distort the memory measured
-            self.flops += formula(*args, **(kwargs or {}), out_val=out)
+            flops = formula(*args, **(kwargs or {}), out_val=out)
+            self.flops += flops
+            if func._overloadpacket in _ATTENTION_OPS:
+                self.attention_flops += flops
         for t in out if isinstance(out, (list, tuple)) else [out]:
             if isinstance(t, torch.Tensor):
                 self._add(t, self.default)
@@ -209,6 +219,18 @@ class _NoCoalescing(contextlib.AbstractContextManager):
         pass
 
 
+def _materialize_optimizer_states(optimizer) -> None:
+    """Create Adam's moments the way megatron does before loading a checkpoint: one step
+    of the inner optimizer on zero gradients."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = opt.optimizer
+        for group in inner.param_groups:
+            for param in group["params"]:
+                param.grad = torch.zeros_like(param)
+        inner.step()
+        inner.zero_grad()
+
+
 def _optimizer_tensors(optimizer) -> List[torch.Tensor]:
     tensors = []
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
@@ -278,7 +300,8 @@ def _run(args, world_size: int, tracker: StorageTracker, attention_backend: str,
         "by_category_gib": {c: tracker.peak_by_category[c] / GIB for c in CATEGORIES},
         "peak_at": tracker.peak_op,
         "static_gib": static / GIB,
-        "flops_per_rank": flops,
+        "flops_per_rank": flops["total"],
+        "attention_flops_per_rank": flops["attention"],
         "comm_bytes_received": instrument.totals(records),
         "comm": instrument.as_dict(records),
     }
@@ -315,8 +338,7 @@ def _step(args, vocab, tracker, attention_backend, fake: bool = True):
             bf16=args.bf16, fp16=args.fp16, params_dtype=config.params_dtype,
             use_distributed_optimizer=args.use_distributed_optimizer),
             use_gloo_process_groups=False)
-        for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-            opt._init_optimizer_states_with_dummy_values()  # steady state: Adam moments exist
+        _materialize_optimizer_states(optimizer)  # steady state: Adam moments exist
         chunk = model[0]
         grads = [b.grad_data for b in chunk.buffers + chunk.expert_parallel_buffers]
         tracker.tag(grads, "gradients", only_from=None)
@@ -335,11 +357,12 @@ def _step(args, vocab, tracker, attention_backend, fake: bool = True):
             lambda t: (tracker.tag([t], "activations", only_from=("temporaries", "communication")), t)[1],
             lambda t: t)
         receive = lambda t: tracker.tag([t], "communication", only_from=("temporaries",))
-        flops_before = tracker.flops
+        flops_before, attention_before = tracker.flops, tracker.attention_flops
         with saved, instrument.count_collectives(on_output=receive) as records:
             training.train_step(model, optimizer, [batch], 1, args.seq_length, args.micro_batch_size,
                                 batch_transform=batch_transform(args))
-    return static, tracker.flops - flops_before, records
+    flops = {"total": tracker.flops - flops_before, "attention": tracker.attention_flops - attention_before}
+    return static, flops, records
 
 
 def plan_modes(config_path: str, modes: List[str], world_size: Optional[int] = None, cp: int = 2,

@@ -15,6 +15,8 @@ activation, with a gradient accumulator travelling behind each shard to its owne
 
 from __future__ import annotations
 
+import logging
+import sys
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -88,6 +90,26 @@ class TSPMLP(MLP):
             raise NotImplementedError("TSPMLP: per_token_scale (MoE) is not supported")
         output = _TSPMLPFunction.apply(self, hidden_states, *self.shard_tensors())
         return output, self.linear_fc2.bias
+
+
+class _ExpectedMLPFilter(logging.Filter):
+    """megatron's TransformerLayer warns "Unknown MLP type" for every MLP class it does not
+    special-case, once per layer and rank. TSPMLP is expected there (it takes its group
+    from the TSP state, not from the layer): drop the warning for it, keep it for others."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.msg).startswith("Unknown MLP type"):
+            return True
+        frame = sys._getframe()
+        while frame is not None:
+            submodules = frame.f_locals.get("submodules")
+            if getattr(getattr(submodules, "mlp", None), "module", None) is TSPMLP:
+                return False
+            frame = frame.f_back
+        return True
+
+
+logging.getLogger("megatron.core.transformer.transformer_layer").addFilter(_ExpectedMLPFilter())
 
 
 class _TSPMLPFunction(torch.autograd.Function):

@@ -1,0 +1,114 @@
+"""One-GPU check: rank 0 of a D=8 job on real kernels, against the memory planner.
+
+Runs one rank of the 7B / 128K configuration per mode on this machine's GPU with torch's
+``fake`` process-group backend (collectives are no-ops, every kernel is real): peak
+``torch.cuda.max_memory_allocated`` of a training step against the planner's prediction
+for the same rank, and the per-rank compute time of TSP against TP+SP (no communication
+is timed: that is the performance model's part). Writes one JSON file.
+
+    python -m megatron_tsp.gpucheck --out bench/results/gpu-check.json     (scripts/gpu_check.sh)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from typing import Dict
+
+import torch
+import torch.distributed as dist
+
+from megatron_tsp import config as cfg
+
+
+def check_mode(values: Dict, mode: str, steps: int) -> Dict:
+    import megatron_tsp
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megatron_tsp import data, memory, training
+    from megatron_tsp.train import batch_transform, layer_spec, transformer_config
+
+    planned = memory.plan(dict(values), mode)
+    args, model_parallel = memory._args(values, mode, 2)
+    on_gpu = torch.cuda.is_available()
+    with memory._fake_world(model_parallel):
+        megatron_tsp.initialize_model_parallel(
+            tsp_size=args.tsp_size, tensor_model_parallel_size=args.tensor_model_parallel_size,
+            context_parallel_size=args.context_parallel_size, create_gloo_process_groups=False)
+        try:
+            torch.manual_seed(args.seed)
+            model_parallel_cuda_manual_seed(args.seed)
+            vocab = data.padded_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by,
+                                           args.tsp_size * args.tensor_model_parallel_size)
+            model = training.build_model(
+                transformer_config(args), layer_spec(args), vocab, args.max_position_embeddings,
+                position_embedding_type=args.position_embedding_type,
+                share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                ddp_config=DistributedDataParallelConfig(use_distributed_optimizer=args.use_distributed_optimizer,
+                                                         grad_reduce_in_fp32=args.bf16))
+            optimizer = training.build_optimizer(model, OptimizerConfig(
+                optimizer="adam", lr=1e-4, clip_grad=0.0, bf16=args.bf16,
+                params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
+                use_distributed_optimizer=args.use_distributed_optimizer), use_gloo_process_groups=False)
+            device = torch.cuda.current_device() if on_gpu else "cpu"
+            tokens = torch.randint(0, args.vocab_size, (args.micro_batch_size, args.seq_length), device=device)
+            batch = {"tokens": tokens, "labels": tokens, "loss_mask": torch.ones(tokens.shape, device=device),
+                     "position_ids": torch.arange(args.seq_length, device=device).unsqueeze(0), "attention_mask": None}
+
+            def step():
+                training.train_step(model, optimizer, [batch], 1, args.seq_length, args.micro_batch_size,
+                                    batch_transform(args))
+
+            step()  # warm-up; also creates Adam's moments
+            if on_gpu:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            times = []
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                step()
+                if on_gpu:
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
+            peak = torch.cuda.max_memory_allocated() / 2**30 if on_gpu else None
+        finally:
+            megatron_tsp.destroy_model_parallel()
+    return {"parallel": planned["parallel"], "measured_peak_gib": peak, "planned_peak_gib": planned["peak_gib"],
+            "planned_by_category_gib": planned["by_category_gib"], "step_s": times,
+            "compute_s_median": sorted(times)[len(times) // 2], "flops_per_rank": planned["flops_per_rank"]}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                                        "configs", "7b", "128k-tsp8.yaml"))
+    parser.add_argument("--modes", default="tsp,tp-sp,tp-cp")
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--out", default="bench/results/gpu-check.json")
+    cfg.add_arguments(parser, keys=["num_layers", "seq_length", "max_position_embeddings"])
+    ns = parser.parse_args(argv)
+    from megatron_tsp.env import environment
+
+    values = cfg.load_config(ns.config)
+    values.update(cfg.overrides(ns))
+    result = {"setup": environment(), "config": ns.config, "overrides": cfg.overrides(ns), "modes": {}}
+    for mode in ns.modes.split(","):
+        result["modes"][mode] = r = check_mode(values, mode, ns.steps)
+        print(f"{mode}: compute {r['compute_s_median']:.3f} s/step, peak measured {r['measured_peak_gib']} GiB, "
+              f"planned {r['planned_peak_gib']:.2f} GiB", flush=True)
+    if "tsp" in result["modes"] and "tp-sp" in result["modes"]:
+        result["tsp_vs_tp_sp_compute"] = (result["modes"]["tsp"]["compute_s_median"]
+                                          / result["modes"]["tp-sp"]["compute_s_median"])
+    os.makedirs(os.path.dirname(os.path.abspath(ns.out)), exist_ok=True)
+    with open(ns.out, "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=2)
+    print("wrote", ns.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,230 @@
+"""Performance model: per-rank step time from counted FLOPs and bytes on a hardware profile.
+
+Counts come from the memory planner's fake step of the real model (``memory.plan``): FLOPs
+(attention separately) and the bytes and calls of every collective per process group and
+phase. To sweep sequence lengths cheaply the model is planned at 1 and 2 layers and
+extrapolated linearly in the layer count (exact: layers are identical).
+
+Time of one micro-batch step on one rank:
+
+    compute  = matmul FLOPs / (peak x matmul_efficiency) + attention FLOPs / (peak x attention_efficiency)
+    comm[g]  = bytes[g] / bandwidth(g) + calls[g] x latency(g)      (intra- or inter-node link)
+    no overlap: compute + sum_g comm[g]
+    overlap:    max(compute, sum of overlappable comm) + sum of the rest
+
+Overlappable traffic per mode: TSP's weight streams (broadcasts, ring sends, gradient
+reduces on the ``tsp_weight`` group) and the data-parallel gradient reduce; for TP and
+TP+SP also the tensor-parallel all-gathers/reduce-scatters (TransformerEngine's userbuffer
+overlap); for TP x CP also the context-parallel K/V exchange (ring attention). TSP's K/V
+all-gather stays exposed (it is not overlapped yet). Memory-bound elementwise work and the
+optimizer step are not modelled.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import yaml
+
+from megatron_tsp import config as cfg
+from megatron_tsp import flops as flops_formula
+
+INTRA_NODE_GROUPS = ("tp", "cp", "tsp_weight")
+OVERLAPPABLE = {
+    "tsp": ("tsp_weight", "dp", "dp_cp"),
+    "tp": ("tp", "dp", "dp_cp"),
+    "tp-sp": ("tp", "dp", "dp_cp"),
+    "tp-cp": ("tp", "cp", "dp", "dp_cp"),
+}
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    gpus_per_node: int
+    memory_gib: float
+    peak_tflops: float
+    matmul_efficiency: float
+    attention_efficiency: float
+    hbm_gbs: float
+    intra_node_gbs: float
+    inter_node_gbs: float
+    intra_node_latency_us: float
+    inter_node_latency_us: float
+
+
+def load_hardware(path: str) -> Hardware:
+    with open(path, encoding="utf-8") as f:
+        return Hardware(**yaml.safe_load(f))
+
+
+def _sub(a: Dict, b: Dict, scale: float = 1.0) -> Dict:
+    """a - scale*b, recursively over nested dicts of numbers."""
+    out = {}
+    for key in set(a) | set(b):
+        x, y = a.get(key, 0), b.get(key, 0)
+        out[key] = _sub(x if isinstance(x, dict) else {}, y if isinstance(y, dict) else {}, scale) \
+            if isinstance(x, dict) or isinstance(y, dict) else x - scale * y
+    return out
+
+
+def _axpy(base: Dict, per_layer: Dict, layers: int) -> Dict:
+    return _sub(base, per_layer, -layers)
+
+
+def layer_counts(values: Dict, mode: str, world_size: Optional[int] = None, cp: int = 2) -> Dict:
+    """FLOPs and comm counts of one micro-batch step: ``{"base": ..., "per_layer": ...}``."""
+    from megatron_tsp import memory
+
+    def counts(layers):
+        v = dict(values, num_layers=layers)
+        plan = memory.plan(copy.deepcopy(v), mode, world_size, cp)
+        return {"flops": plan["flops_per_rank"], "attention_flops": plan["attention_flops_per_rank"],
+                "comm": plan["comm"], "parallel": plan["parallel"]}
+
+    keys = ("flops", "attention_flops", "comm")
+    one, two = counts(1), counts(2)
+    per_layer = _sub({k: two[k] for k in keys}, {k: one[k] for k in keys})
+    base = _sub({k: one[k] for k in keys}, per_layer)
+    return {"base": base, "per_layer": per_layer, "parallel": one["parallel"]}
+
+
+def totals_for(counts: Dict, layers: int) -> Dict:
+    return _axpy(counts["base"], counts["per_layer"], layers)
+
+
+def step_time(total: Dict, hw: Hardware, mode: str, overlap: bool, world_size: int,
+              phases=("forward", "backward")) -> Dict:
+    """Seconds per micro-batch step of one rank, broken down."""
+    peak = hw.peak_tflops * 1e12
+    attention = total["attention_flops"]
+    compute = (total["flops"] - attention) / (peak * hw.matmul_efficiency) + \
+        attention / (peak * hw.attention_efficiency)
+    multi_node = world_size > hw.gpus_per_node
+    comm: Dict[str, float] = {}
+    for group, by_phase in total["comm"].items():
+        intra = group in INTRA_NODE_GROUPS or not multi_node
+        bw = (hw.intra_node_gbs if intra else hw.inter_node_gbs) * 1e9
+        latency = (hw.intra_node_latency_us if intra else hw.inter_node_latency_us) * 1e-6
+        seconds = 0.0
+        for phase, prims in by_phase.items():
+            if phase not in phases:
+                continue
+            for entry in prims.values():
+                seconds += entry["bytes_received"] / bw + entry["calls"] * latency
+        if seconds > 0:
+            comm[group] = seconds
+    hidden = sum(t for g, t in comm.items() if overlap and g in OVERLAPPABLE[mode])
+    exposed = sum(t for g, t in comm.items() if not (overlap and g in OVERLAPPABLE[mode]))
+    step = (max(compute, hidden) if overlap else compute + hidden) + exposed
+    return {"compute_s": compute, "comm_s": comm, "exposed_comm_s": step - compute, "step_s": step}
+
+
+def predict(config_path: str, hw: Hardware, nodes: int = 1, modes: List[str] = ("tsp", "tp-sp"),
+            cp: int = 2, seq_lengths: Optional[List[int]] = None, overrides: Optional[Dict] = None) -> Dict:
+    """Step time, tokens/s and MFU per mode at the config's sequence length on ``nodes``
+    nodes, and (if ``seq_lengths``) the sweep that locates the TSP / TP+SP crossover."""
+    values = cfg.load_config(config_path)
+    values.update(overrides or {})
+    world = nodes * hw.gpus_per_node
+    results: Dict = {"config": config_path, "hardware": hw.__dict__, "nodes": nodes, "modes": {}}
+    base_seq = cfg.resolve(values).seq_length
+    for mode in modes:
+        results["modes"][mode] = _evaluate(values, mode, hw, world, cp)
+    if seq_lengths:
+        sweep = {}
+        for seq in seq_lengths:
+            v = dict(values, seq_length=seq, max_position_embeddings=max(seq, values.get("max_position_embeddings") or 0))
+            sweep[seq] = {mode: _evaluate(v, mode, hw, world, cp, brief=True) for mode in ("tsp", "tp-sp")}
+        results["sweep"] = sweep
+        results["crossover_seq_length"] = {
+            key: next((s for s in seq_lengths if sweep[s]["tsp"][key]["step_s"] < sweep[s]["tp-sp"][key]["step_s"]), None)
+            for key in ("overlap", "no_overlap")
+        }
+    results["seq_length"] = base_seq
+    return results
+
+
+def _evaluate(values: Dict, mode: str, hw: Hardware, world: int, cp: int, brief: bool = False) -> Dict:
+    args = cfg.resolve(memory_mode_values(values, mode, cp))
+    counts = layer_counts(values, mode, world, cp)
+    total = totals_for(counts, args.num_layers)
+    d = counts["parallel"]
+    replicas = world // (d["tsp"] * d["tp"] * d["cp"] * d["pp"])
+    tokens = args.micro_batch_size * args.seq_length
+    from megatron_tsp.data import padded_vocab_size
+
+    vocab = padded_vocab_size(args.vocab_size or 32000, args.make_vocab_size_divisible_by, d["tsp"] * d["tp"])
+    model_flops = flops_formula.flops_per_sequence_from_args(args, vocab) * args.micro_batch_size
+    out = {"parallel": d}
+    for key, overlap in (("overlap", True), ("no_overlap", False)):
+        t = step_time(total, hw, mode, overlap, world)
+        ranks = world // replicas
+        t["tokens_per_s_cluster"] = replicas * tokens / t["step_s"]
+        t["mfu"] = model_flops / (t["step_s"] * ranks * hw.peak_tflops * 1e12)
+        out[key] = t
+    if not brief:
+        out["flops_per_rank"] = total["flops"]
+        out["attention_flops_per_rank"] = total["attention_flops"]
+        out["paper_accountings"] = _accountings(values, mode, hw, world, cp, counts, args, vocab, replicas)
+    return out
+
+
+def memory_mode_values(values: Dict, mode: str, cp: int) -> Dict:
+    from megatron_tsp.memory import mode_values
+
+    return mode_values(values, mode, cp)
+
+
+def _accountings(values, mode, hw, world, cp, counts, args, vocab, replicas) -> Dict:
+    """Cluster tokens/s under the readings of 'tokens/s' a report might use."""
+    tokens = args.micro_batch_size * args.seq_length
+    layers = args.num_layers
+    per_layer = counts["per_layer"]
+    fwd_share = 1.0 / 3.0  # of a layer's fwd+bwd model FLOPs (no recompute)
+    model_layer = flops_formula.flops_per_sequence(1, args.hidden_size, args.ffn_hidden_size, args.num_attention_heads,
+                                                   args.num_query_groups, args.kv_channels, args.seq_length, 0,
+                                                   args.swiglu) * args.micro_batch_size
+    ranks = world // replicas
+    peak = hw.peak_tflops * 1e12
+
+    def layer_time(fraction, phases):
+        attention = per_layer["attention_flops"]
+        attn_share = attention / per_layer["flops"] if per_layer["flops"] else 0.0
+        flops = model_layer * fraction / ranks
+        compute = flops * (1 - attn_share) / (peak * hw.matmul_efficiency) + \
+            flops * attn_share / (peak * hw.attention_efficiency)
+        comm = step_time({"flops": 0, "attention_flops": 0, "comm": per_layer["comm"]}, hw, mode, True, world,
+                         phases=phases)
+        hidden = sum(t for g, t in comm["comm_s"].items() if g in OVERLAPPABLE[mode])
+        exposed = sum(t for g, t in comm["comm_s"].items() if g not in OVERLAPPABLE[mode])
+        return max(compute, hidden) + exposed
+
+    fwd_layer = layer_time(fwd_share, ("forward",))
+    fwd_bwd_layer = layer_time(1.0, ("forward", "backward"))
+    full = step_time(totals_for(counts, layers), hw, mode, True, world)["step_s"]
+    return {
+        "training step, all layers": replicas * tokens / full,
+        "forward, all layers": replicas * tokens / (layers * fwd_layer),
+        "forward+backward, one layer": replicas * tokens / fwd_bwd_layer,
+        "forward, one layer": replicas * tokens / fwd_layer,
+    }
+
+
+def table(result: Dict) -> str:
+    hw = result["hardware"]["name"]
+    lines = [f"{result['config']} on {result['nodes']} node(s) x {result['hardware']['gpus_per_node']} {hw}, "
+             f"S={result['seq_length']} (one micro-batch step per rank)",
+             "| mode | overlap | step s | compute s | exposed comm s | cluster tokens/s | MFU |",
+             "|---|---|---|---|---|---|---|"]
+    for mode, r in result["modes"].items():
+        for key in ("overlap", "no_overlap"):
+            t = r[key]
+            lines.append(f"| {mode} | {'on' if key == 'overlap' else 'off'} | {t['step_s']:.3f} | {t['compute_s']:.3f} | "
+                         f"{t['exposed_comm_s']:.3f} | {t['tokens_per_s_cluster']:.3g} | {t['mfu']:.1%} |")
+    if "crossover_seq_length" in result:
+        lines.append(f"\nTSP overtakes TP+SP from S = {result['crossover_seq_length']['overlap']} with overlap, "
+                     f"{result['crossover_seq_length']['no_overlap']} without (swept {list(result['sweep'])})")
+    return "\n".join(lines)
