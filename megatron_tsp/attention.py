@@ -12,10 +12,11 @@ ranks together:
     y_p      += causal_attention(q, K_r, V_r) Wproj_r^T
 
 so ``y_p = sum_r attn_r(x_p) Wproj_r^T`` is the full attention output for p's tokens: no
-all-reduce. Backward (derived; DESIGN.md section 2) re-broadcasts W_r, recomputes q, k, v
-and re-gathers K_r, V_r (nothing per group is saved), reduce-scatters dK_r, dV_r to the
-token owners and reduces the partial dW_r of every rank to its owner r. The only tensors
-saved for backward are ``x_p`` and this rank's own shards.
+all-reduce. Backward (derived; DESIGN.md section 2) re-broadcasts W_r, re-gathers K_r, V_r
+(never saved full-length), reduce-scatters dK_r, dV_r to the token owners and reduces the
+partial dW_r of every rank to its owner r. Saved for backward: ``x_p``, this rank's own
+shards, and per head group the projection and attention output of p's tokens only (1/D of
+what one device saves); the attention scores are recomputed, no projection is.
 """
 
 from __future__ import annotations
@@ -81,12 +82,9 @@ class TSPSelfAttention(SelfAttention):
         return [p for m in (self.q_layernorm, self.k_layernorm) if m is not None for p in m.parameters()]
 
     # ---- the two local stages of one head group ----------------------------------------
-    def project_qkv(self, x: torch.Tensor, qkv: Sequence[torch.Tensor], freqs: Optional[torch.Tensor]):
-        """Local tokens -> q [s, b, a/D, d], k and v [s, b, g/D, d] of one head group.
-
-        ``qkv`` is the head group's ``[Wqkv]`` or ``[Wqkv, bqkv]``.
-        """
-        mixed = F.linear(x, *qkv)
+    def split_heads(self, mixed: torch.Tensor, freqs: Optional[torch.Tensor]):
+        """A head group's QKV projection -> q [s, b, a/D, d], k and v [s, b, g/D, d]
+        (megatron's interleaved layout, q/k norms, RoPE at the tokens' global positions)."""
         groups = self.num_query_groups_per_partition
         heads_per_group = self.num_attention_heads_per_partition // groups
         d = self.hidden_size_per_attention_head
@@ -102,11 +100,10 @@ class TSPSelfAttention(SelfAttention):
             key = apply_rotary_pos_emb(key, freqs, config=self.config, cp_group=self.pg_collection.cp)
         return query, key, value
 
-    def attend_and_project(self, query, keys, values, w_proj, rank: int) -> torch.Tensor:
-        """Causal attention of local queries against the gathered keys, then Wproj_r."""
-        out = zigzag_attention(query, keys, values, self.tsp_group.size(), rank,
-                               self.softmax_scale, self.attention_backend)
-        return F.linear(out.flatten(2), w_proj)
+    def attend(self, query, keys, values, rank: int) -> torch.Tensor:
+        """Causal attention of local queries against the gathered keys: ``[s, b, a/D, d]``."""
+        return zigzag_attention(query, keys, values, self.tsp_group.size(), rank,
+                                self.softmax_scale, self.attention_backend)
 
     # ---- forward -----------------------------------------------------------------------
     def forward(
@@ -208,7 +205,13 @@ class AllGatherKV(torch.autograd.Function):
 
 
 class _TSPAttentionFunction(torch.autograd.Function):
-    """y_p = sum_r attn(x_p; W_r) Wproj_r^T with W_r broadcast from rank r (module docstring)."""
+    """y_p = sum_r attn(x_p; W_r) Wproj_r^T with W_r broadcast from rank r (module docstring).
+
+    Saved per head group r, for this rank's tokens only: the QKV projection ``m_r`` and the
+    attention output ``o_r`` (together 1/D of what one device would save). Backward
+    re-broadcasts W_r, re-gathers K_r, V_r from ``m_r`` and recomputes only the attention
+    scores (inside the attention backward); no projection GEMM is recomputed.
+    """
 
     @staticmethod
     def forward(ctx, layer: TSPSelfAttention, freqs, x, *params):
@@ -216,56 +219,65 @@ class _TSPAttentionFunction(torch.autograd.Function):
         own = params[:n_shard]
         group = layer.tsp_group
         d_size, rank = group.size(), group.rank()
-        seq_len = x.size(0) * d_size
         # zigzag.permutation maps rank order -> global positions; gathering in rank order
         # and indexing with its inverse gives the natural order the causal mask assumes.
-        to_global = zigzag.inverse_permutation(seq_len, d_size, x.device)
+        to_global = zigzag.inverse_permutation(x.size(0) * d_size, d_size, x.device)
         y = torch.zeros(x.shape[:2] + (layer.config.hidden_size,), dtype=x.dtype, device=x.device)
+        projections, outputs = [], []
         stream = ShardStream(own, layer.weight_group, overlap=layer.overlap_comm)
         with comm.scope(f"{layer.comm_scope}/forward"):
             for r, shard in stream:
-                q, k, v = layer.project_qkv(x, shard[:-1], freqs)
+                mixed = F.linear(x, *shard[:-1])
+                q, k, v = layer.split_heads(mixed, freqs)
                 keys, values = gather_kv(k, v, group, to_global)
-                y += layer.attend_and_project(q, keys, values, shard[-1], rank)
+                out = layer.attend(q, keys, values, rank).flatten(2)
+                del keys, values
+                y += F.linear(out, shard[-1])
+                projections.append(mixed)
+                outputs.append(out)
         ctx.layer = layer
-        ctx.save_for_backward(freqs, x, *own)
+        ctx.n_shard = n_shard
+        ctx.save_for_backward(freqs, x, *own, *projections, *outputs)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         layer: TSPSelfAttention = ctx.layer
-        freqs, x, *own = ctx.saved_tensors
+        freqs, x, *rest = ctx.saved_tensors
+        own, rest = rest[: ctx.n_shard], rest[ctx.n_shard :]
+        projections, outputs = rest[: len(rest) // 2], rest[len(rest) // 2 :]
         replicated = layer.replicated_parameters()
         group = layer.tsp_group
         d_size, rank = group.size(), group.rank()
-        seq_len = x.size(0) * d_size
-        to_global = zigzag.inverse_permutation(seq_len, d_size, x.device)
-        to_rank_order = zigzag.permutation(seq_len, d_size, x.device)
-        dy = dy.contiguous()
+        to_global = zigzag.inverse_permutation(x.size(0) * d_size, d_size, x.device)
+        to_rank_order = zigzag.permutation(x.size(0) * d_size, d_size, x.device)
+        dy2d = dy.reshape(-1, dy.size(-1))
+        x2d = x.reshape(-1, x.size(-1))
         dx = torch.zeros_like(x)
         d_replicated = [torch.zeros_like(p) for p in replicated]
-        x_leaf = x.detach().requires_grad_()
         stream = ShardStream(own, layer.weight_group, overlap=layer.overlap_comm)
         with comm.scope(f"{layer.comm_scope}/backward"):
             for r, shard in stream:
-                leaves = [t.detach().requires_grad_() for t in shard]
+                w_proj, out = shard[-1], outputs[r]
+                d_proj = dy2d.t() @ out.reshape(-1, out.size(-1))
+                d_out = (dy @ w_proj).view(out.shape[:2] + (-1, layer.hidden_size_per_attention_head))
+                mixed = projections[r].detach().requires_grad_()
                 with torch.enable_grad():
-                    q, k, v = layer.project_qkv(x_leaf, leaves[:-1], freqs)
+                    q, k, v = layer.split_heads(mixed, freqs)
                 keys, values = gather_kv(k.detach(), v.detach(), group, to_global)
                 q_in, keys, values = (t.detach().requires_grad_() for t in (q, keys, values))
                 with torch.enable_grad():
-                    y_r = layer.attend_and_project(q_in, keys, values, leaves[-1], rank)
-                dq, d_keys, d_values, d_proj = torch.autograd.grad(y_r, (q_in, keys, values, leaves[-1]), dy)
-                del y_r, keys, values
+                    attended = layer.attend(q_in, keys, values, rank)
+                dq, d_keys, d_values = torch.autograd.grad(attended, (q_in, keys, values), d_out)
+                del attended, keys, values
                 dk, dv = scatter_kv_grads(d_keys, d_values, group, to_rank_order)
                 del d_keys, d_values
-                dx_r, *grads = torch.autograd.grad(
-                    (q, k, v), (x_leaf, *leaves[:-1], *replicated), (dq, dk, dv)
-                )
-                dx += dx_r
-                d_qkv, d_norms = grads[: len(leaves) - 1], grads[len(leaves) - 1 :]
+                d_mixed, *d_norms = torch.autograd.grad((q, k, v), (mixed, *replicated), (dq, dk, dv))
                 for acc, g in zip(d_replicated, d_norms):
                     acc += g
+                d_mixed2d = d_mixed.reshape(-1, d_mixed.size(-1))
+                dx += (d_mixed2d @ shard[0]).view_as(x)
+                d_qkv = [d_mixed2d.t() @ x2d] + ([d_mixed2d.sum(0)] if len(shard) == 3 else [])
                 stream.reduce_grad(r, [*d_qkv, d_proj])
             own_grads = stream.own_grads()
         return (None, None, dx, *own_grads, *d_replicated)

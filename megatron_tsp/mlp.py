@@ -8,9 +8,10 @@ ffn dimension is elementwise, so
 
 exactly, summed over the D shards j as they pass through rank p (shard j = (p - t) mod D at
 step t, sent on to p+1 while the next arrives from p-1). Nothing leaves the rank but weights:
-no all-reduce, no all-gather. Backward runs the ring again, recomputing each shard's
-activation, with a gradient accumulator travelling behind each shard to its owner
-(``streaming.ShardRing``). Saved for backward: ``x_p`` and this rank's own shard.
+no all-reduce, no all-gather. Backward runs the ring again, with a gradient accumulator
+travelling behind each shard to its owner (``streaming.ShardRing``). Saved for backward:
+``x_p`` and the fc1 output of every shard for this rank's tokens (1/D of what one device
+saves); only the elementwise activation is recomputed.
 """
 
 from __future__ import annotations
@@ -80,9 +81,6 @@ class TSPMLP(MLP):
             x_linear = x_linear.clamp(min=-val, max=val)
         return config.activation_func(x_glu) * (x_linear + config.glu_linear_offset)
 
-    def shard_forward(self, x: torch.Tensor, shard: Sequence[torch.Tensor]) -> torch.Tensor:
-        """act(x W1_j^T + b1_j) W2_j^T for one shard ``[W1, (b1), W2]``."""
-        return F.linear(self.activation(F.linear(x, *shard[:-1])), shard[-1])
 
     def forward(self, hidden_states: torch.Tensor, per_token_scale=None, **kwargs
                 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -113,32 +111,45 @@ logging.getLogger("megatron.core.transformer.transformer_layer").addFilter(_Expe
 
 
 class _TSPMLPFunction(torch.autograd.Function):
-    """y_p = sum_j act(x_p W1_j^T + b1_j) W2_j^T over shards arriving on the ring."""
+    """y_p = sum_j act(x_p W1_j^T + b1_j) W2_j^T over shards arriving on the ring.
+
+    Saved: x_p and, per shard, this rank's fc1 output ``h_j`` (together 1/D of what one
+    device would save). Backward recomputes only the activation from ``h_j``.
+    """
 
     @staticmethod
     def forward(ctx, layer: TSPMLP, x, *own):
         y = torch.zeros(x.shape[:-1] + (layer.config.hidden_size,), dtype=x.dtype, device=x.device)
+        hidden = [None] * layer.weight_group.size()
         with comm.scope(f"{layer.comm_scope}/forward"):
-            for _, shard in ShardRing(own, layer.weight_group, overlap=layer.overlap_comm):
-                y += layer.shard_forward(x, shard)
+            for j, shard in ShardRing(own, layer.weight_group, overlap=layer.overlap_comm):
+                h = F.linear(x, *shard[:-1])
+                y += F.linear(layer.activation(h), shard[-1])
+                hidden[j] = h
         ctx.layer = layer
-        ctx.save_for_backward(x, *own)
+        ctx.n_shard = len(own)
+        ctx.save_for_backward(x, *own, *hidden)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         layer: TSPMLP = ctx.layer
-        x, *own = ctx.saved_tensors
-        dy = dy.contiguous()
-        x_leaf = x.detach().requires_grad_()
+        x, *rest = ctx.saved_tensors
+        own, hidden = rest[: ctx.n_shard], rest[ctx.n_shard :]
+        dy2d = dy.reshape(-1, dy.size(-1))
+        x2d = x.reshape(-1, x.size(-1))
         dx = torch.zeros_like(x)
         ring = ShardRing(own, layer.weight_group, overlap=layer.overlap_comm)
         with comm.scope(f"{layer.comm_scope}/backward"):
-            for _, shard in ring:
-                leaves = [t.detach().requires_grad_() for t in shard]
+            for j, shard in ring:
+                h = hidden[j].detach().requires_grad_()
                 with torch.enable_grad():
-                    y_j = layer.shard_forward(x_leaf, leaves)
-                dx_j, *grads = torch.autograd.grad(y_j, (x_leaf, *leaves), dy)
-                dx += dx_j
-                ring.add_grad(grads)
+                    a = layer.activation(h)
+                a2d = a.detach().reshape(-1, a.size(-1))
+                d_w2 = dy2d.t() @ a2d
+                (d_h,) = torch.autograd.grad(a, h, (dy2d @ shard[-1]).view_as(a))
+                d_h2d = d_h.reshape(-1, d_h.size(-1))
+                dx += (d_h2d @ shard[0]).view_as(x)
+                d_fc1 = [d_h2d.t() @ x2d] + ([d_h2d.sum(0)] if len(shard) == 3 else [])
+                ring.add_grad([*d_fc1, d_w2])
         return (None, dx, *ring.own_grads())
