@@ -324,7 +324,7 @@ def _step(args, vocab, tracker, attention_backend, fake: bool = True):
             stack.enter_context(ctx)
         config = transformer_config(args)
         model = training.build_model(
-            config, layer_spec(args, attention_backend), vocab, args.max_position_embeddings,
+            config, layer_spec(args, attention_backend, config), vocab, args.max_position_embeddings,
             position_embedding_type=args.position_embedding_type,
             share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
             ddp_config=DistributedDataParallelConfig(

@@ -76,11 +76,13 @@ def transformer_config(args) -> TransformerConfig:
     )
 
 
-def layer_spec(args, attention_backend: str = "auto"):
-    """TSP spec for --tsp-size > 1; else megatron's TransformerEngine spec where TE runs,
+def layer_spec(args, attention_backend: str = "auto", config: Optional[TransformerConfig] = None):
+    """TSP block spec for --tsp-size > 1 (its final norm accepts sequence parallelism where
+    megatron's torch norm would not); else megatron's TransformerEngine spec where TE runs,
     else the local spec with a memory-efficient core attention (baselines.py)."""
     if args.tsp_size > 1:
-        return megatron_tsp.get_gpt_layer_tsp_spec(qk_layernorm=args.qk_layernorm,
+        return megatron_tsp.get_gpt_block_tsp_spec(config or transformer_config(args),
+                                                   qk_layernorm=args.qk_layernorm,
                                                    attention_backend=attention_backend)
     if torch.cuda.is_available() and transformer_engine_version() is not None:
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_layernorm)
@@ -171,7 +173,7 @@ def train(args, log_path: Optional[str] = None) -> Dict[str, Any]:
 
     config = transformer_config(args)
     model = training.build_model(
-        config, layer_spec(args), vocab, args.max_position_embeddings,
+        config, layer_spec(args, config=config), vocab, args.max_position_embeddings,
         position_embedding_type=args.position_embedding_type,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         ddp_config=DistributedDataParallelConfig(

@@ -65,7 +65,7 @@ def batches(n, seq=SEQ, micro_batch=MICRO_BATCH, vocab=VOCAB, seed=0):
 
 
 def setup(mode, model="modern", tsp=1, tp=1, cp=1, pp=1, recompute=None, overlap_grad_reduce=False,
-          use_distributed_optimizer=True):
+          use_distributed_optimizer=True, block_spec=False):
     """Process groups, model (DDP-wrapped chunks), optimizer and batch transform for a mode:
     ``single``/``tp``/``tp-sp`` (stock local spec), ``tp-cp`` (baseline spec, TP+SP x CP),
     ``tsp``."""
@@ -86,7 +86,7 @@ def setup(mode, model="modern", tsp=1, tp=1, cp=1, pp=1, recompute=None, overlap
                          sequence_parallel=(mode == "tsp" and tsp > 1) or mode == "tp-sp"
                          or (mode == "tp-cp" and tp > 1))
     if mode == "tsp":
-        spec = megatron_tsp.get_gpt_layer_tsp_spec()
+        spec = megatron_tsp.get_gpt_block_tsp_spec(config) if block_spec else megatron_tsp.get_gpt_layer_tsp_spec()
     elif mode == "tp-cp":
         spec = get_gpt_layer_baseline_spec(normalization=config.normalization)
     else:

@@ -38,7 +38,7 @@ def test_tsp_trains_like_single_process(ranks, single, model, tsp):
     "kwargs",
     [
         dict(tsp=2),  # TSP=2 x DP=2
-        dict(tsp=2, pp=2, load=True),
+        dict(tsp=2, pp=2, load=True, block_spec=True),  # per-stage block spec, TSP final norm
         dict(tsp=2, recompute="full", overlap_grad_reduce=True),  # TSP=2 x DP=2
         dict(tsp=2, pp=2, recompute="full", load=True),
         dict(tsp=4, recompute="selective"),

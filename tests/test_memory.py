@@ -54,3 +54,18 @@ def test_modes_relayout_the_same_model():
     assert memory.mode_values(values, "tp")["tensor_model_parallel_size"] == 8
     with pytest.raises(config.ConfigError, match="unknown mode"):
         memory.mode_values(values, "fsdp")
+
+
+def test_plots_are_written(tmp_path):
+    pytest.importorskip("matplotlib")
+    from megatron_tsp import bench
+
+    cats = {c: 1.0 for c in memory.CATEGORIES}
+    result = {"config": "x.yaml", "seq_length": 8,
+              "modes": {m: {"peak_gib": 6.0, "by_category_gib": cats} for m in ("tsp", "tp-sp")}}
+    memory.plot(result, str(tmp_path / "memory.png"))
+    timing = {"step_s_median": 1.0, "step_s_min": 0.9, "step_s_max": 1.1, "vs_tp_sp": 1.0}
+    bench_result = {"setup": {"config": "x.yaml", "ranks": 2, "device": "cpu"},
+                    "results": {256: {"tsp": timing, "tp-sp": timing}, 512: {"tsp": timing, "tp-sp": timing}}}
+    bench.plot(bench_result, str(tmp_path / "bench.png"))
+    assert (tmp_path / "memory.png").stat().st_size > 0 and (tmp_path / "bench.png").stat().st_size > 0
