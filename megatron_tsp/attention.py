@@ -22,7 +22,7 @@ what one device saves); the attention scores are recomputed, no projection is.
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F

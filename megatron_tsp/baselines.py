@@ -16,7 +16,6 @@ import math
 from functools import partial
 from typing import Optional
 
-import torch
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule

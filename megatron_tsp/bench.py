@@ -37,32 +37,16 @@ def _values_for(values: Dict, mode: str, seq: int) -> Dict:
 
 def _block(values: Dict, mode: str, seq: int, steps: int, warmup: int) -> Dict:
     """On every rank: build the model for ``mode`` and time ``steps`` training steps."""
-    import megatron_tsp
-    from megatron.core.distributed import DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    from megatron_tsp import data, instrument, training
-    from megatron_tsp.train import batch_transform, layer_spec, transformer_config
+    from megatron_tsp import instrument, training
+    from megatron_tsp.train import batch_transform, build, initialize
 
     args = cfg.resolve(_values_for(values, mode, seq))
-    megatron_tsp.initialize_model_parallel(
-        tsp_size=args.tsp_size, tensor_model_parallel_size=args.tensor_model_parallel_size,
-        context_parallel_size=args.context_parallel_size)
-    torch.manual_seed(args.seed)
-    model_parallel_cuda_manual_seed(args.seed)
-    vocab = data.padded_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by,
-                                   args.tsp_size * args.tensor_model_parallel_size)
-    model = training.build_model(
-        transformer_config(args), layer_spec(args), vocab, seq,
-        position_embedding_type=args.position_embedding_type,
-        ddp_config=DistributedDataParallelConfig(use_distributed_optimizer=True))
+    initialize(args)
+    _, model, optimizer = build(args)
     if mode == "tsp-no-overlap":
         for module in model[0].modules():
             if hasattr(module, "overlap_comm"):
                 module.overlap_comm = False
-    optimizer = training.build_optimizer(model, OptimizerConfig(
-        optimizer="adam", lr=1e-4, clip_grad=1.0, use_distributed_optimizer=True))
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, args.vocab_size, (args.micro_batch_size, seq + 1), generator=g)
     batch = {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),

@@ -40,6 +40,29 @@ def _resolve(ns: argparse.Namespace):
     return path, values, config.resolve(values)
 
 
+def _write_json(path: str, obj) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2, default=str)
+
+
+def _under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _init_torchrun(timeout_min: float = 10.0) -> None:
+    """Join the job torchrun started: NCCL (RCCL on ROCm) on GPUs, gloo otherwise."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
+                            timeout=datetime.timedelta(minutes=timeout_min))
+
+
 def _cmd_args(ns: argparse.Namespace) -> int:
     from megatron_tsp import config
 
@@ -55,27 +78,19 @@ def _train_rank(args, log_path):
 
 
 def _cmd_train(ns: argparse.Namespace) -> int:
-    from megatron_tsp import launch
+    from megatron_tsp import config, launch
 
     path, _, args = _resolve(ns)
     log_path = ns.log_json or os.path.join(
         "runs", os.path.splitext(os.path.basename(path))[0], "log.jsonl")
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
-        import datetime
-
-        import torch
+    if _under_torchrun():
         import torch.distributed as dist
 
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
-                                timeout=datetime.timedelta(minutes=ns.collective_timeout_min))
+        _init_torchrun(ns.collective_timeout_min)
         _train_rank(args, log_path)
         dist.destroy_process_group()
         return 0
-    model_parallel = (args.tsp_size * args.tensor_model_parallel_size * args.context_parallel_size
-                      * args.pipeline_model_parallel_size)
-    nproc = ns.nproc or model_parallel
+    nproc = ns.nproc or config.model_parallel_size(args)
     print(f"megatron-tsp train: {path}, {nproc} gloo rank(s) on this machine", flush=True)
     pool = launch.WorkerPool(nproc, collective_timeout_s=60 * ns.collective_timeout_min)
     try:
@@ -96,8 +111,7 @@ def _cmd_compare(ns: argparse.Namespace) -> int:
         with open(ns.markdown, "w", encoding="utf-8") as f:
             f.write(text + "\n")
     if ns.json:
-        with open(ns.json, "w", encoding="utf-8") as f:
-            json.dump(runs, f, indent=2)
+        _write_json(ns.json, runs)
     return 0
 
 
@@ -109,9 +123,7 @@ def _cmd_memory(ns: argparse.Namespace) -> int:
                                overrides=config.overrides(ns))
     print(memory.table(result))
     if ns.json:
-        os.makedirs(os.path.dirname(os.path.abspath(ns.json)), exist_ok=True)
-        with open(ns.json, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=2)
+        _write_json(ns.json, result)
     if ns.plot:
         memory.plot(result, ns.plot)
     return 0
@@ -126,9 +138,7 @@ def _cmd_predict(ns: argparse.Namespace) -> int:
     result = perfmodel.predict(ns.config, hw, ns.nodes, modes, ns.cp, seqs, config.overrides(ns))
     print(perfmodel.table(result))
     if ns.json:
-        os.makedirs(os.path.dirname(os.path.abspath(ns.json)), exist_ok=True)
-        with open(ns.json, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=2, default=str)
+        _write_json(ns.json, result)
     return 0
 
 
@@ -138,13 +148,10 @@ def _cmd_bench(ns: argparse.Namespace) -> int:
     path = ns.config or os.path.join(os.path.dirname(default_config_path()), "bench-cpu.yaml")
     seqs = [int(x) for x in ns.seq.split(",")]
     modes = [m.strip() for m in ns.modes.split(",") if m.strip()]
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: every rank here
-        import torch
+    if _under_torchrun():  # every rank runs here
         import torch.distributed as dist
 
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        _init_torchrun()
         result = bench.run(path, seqs, modes, ns.repeats, ns.steps, ns.warmup,
                            lambda fn, *a: [fn(*a)], dist.get_world_size())
         if dist.get_rank() == 0:

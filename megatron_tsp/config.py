@@ -158,14 +158,19 @@ def resolve(values: Dict[str, Any]) -> argparse.Namespace:
     return ns
 
 
+def model_parallel_size(ns: argparse.Namespace) -> int:
+    """Ranks of one model replica: TSP x TP x CP x PP."""
+    return (ns.tsp_size * ns.tensor_model_parallel_size * ns.context_parallel_size
+            * ns.pipeline_model_parallel_size)
+
+
 def check_combinations(ns: argparse.Namespace) -> None:
     """Impossible or unsupported combinations, each naming its key."""
     from megatron_tsp.parallel_state import check_parallel_sizes
 
     d = ns.tsp_size
-    model_parallel = d * ns.tensor_model_parallel_size * ns.context_parallel_size
     try:
-        check_parallel_sizes(model_parallel * ns.pipeline_model_parallel_size, d,
+        check_parallel_sizes(model_parallel_size(ns), d,
                              ns.pipeline_model_parallel_size, ns.tensor_model_parallel_size,
                              ns.context_parallel_size)
     except ValueError as exc:

@@ -73,6 +73,12 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel: int) 
     return ((vocab_size + multiple - 1) // multiple) * multiple
 
 
+def padded_vocab(args) -> int:
+    """The run's vocabulary, padded to split over its TSP or TP ranks."""
+    return padded_vocab_size(tokenizer_for(args).vocab_size, args.make_vocab_size_divisible_by,
+                             args.tsp_size * args.tensor_model_parallel_size)
+
+
 def build_train_dataset(args, num_samples: int, data_parallel_size: int):
     tokenizer = tokenizer_for(args)
     config = GPTDatasetConfig(

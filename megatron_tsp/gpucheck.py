@@ -18,42 +18,23 @@ import time
 from typing import Dict
 
 import torch
-import torch.distributed as dist
 
 from megatron_tsp import config as cfg
 
 
 def check_mode(values: Dict, mode: str, steps: int) -> Dict:
     import megatron_tsp
-    from megatron.core.distributed import DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from megatron_tsp import data, memory, training
-    from megatron_tsp.train import batch_transform, layer_spec, transformer_config
+    from megatron_tsp import memory, training
+    from megatron_tsp.train import batch_transform, build, initialize
 
     planned = memory.plan(dict(values), mode)
     args, model_parallel = memory._args(values, mode, 2)
     on_gpu = torch.cuda.is_available()
     with memory._fake_world(model_parallel):
-        megatron_tsp.initialize_model_parallel(
-            tsp_size=args.tsp_size, tensor_model_parallel_size=args.tensor_model_parallel_size,
-            context_parallel_size=args.context_parallel_size, create_gloo_process_groups=False)
+        initialize(args, create_gloo_process_groups=False)
         try:
-            torch.manual_seed(args.seed)
-            model_parallel_cuda_manual_seed(args.seed)
-            vocab = data.padded_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by,
-                                           args.tsp_size * args.tensor_model_parallel_size)
-            model = training.build_model(
-                transformer_config(args), layer_spec(args), vocab, args.max_position_embeddings,
-                position_embedding_type=args.position_embedding_type,
-                share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-                ddp_config=DistributedDataParallelConfig(use_distributed_optimizer=args.use_distributed_optimizer,
-                                                         grad_reduce_in_fp32=args.bf16))
-            optimizer = training.build_optimizer(model, OptimizerConfig(
-                optimizer="adam", lr=1e-4, clip_grad=0.0, bf16=args.bf16,
-                params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
-                use_distributed_optimizer=args.use_distributed_optimizer), use_gloo_process_groups=False)
+            _, model, optimizer = build(args, clip_grad=0.0, use_gloo_process_groups=False)
             device = torch.cuda.current_device() if on_gpu else "cpu"
             tokens = torch.randint(0, args.vocab_size, (args.micro_batch_size, args.seq_length), device=device)
             batch = {"tokens": tokens, "labels": tokens, "loss_mask": torch.ones(tokens.shape, device=device),

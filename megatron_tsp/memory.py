@@ -261,40 +261,25 @@ def measure(values: Dict, mode: str, cp: int = 2, attention_backend: str = "flas
 
 def _args(values: Dict, mode: str, cp: int):
     args = cfg.resolve(mode_values(values, mode, cp))
-    model_parallel = (args.tsp_size * args.tensor_model_parallel_size * args.context_parallel_size
-                      * args.pipeline_model_parallel_size)
-    return args, model_parallel
+    return args, cfg.model_parallel_size(args)
 
 
 def _run(args, world_size: int, tracker: StorageTracker, attention_backend: str, fake: bool) -> Dict:
     import megatron_tsp
 
-    from megatron_tsp import data, instrument
-    from megatron_tsp.compat import enable_cpu_support
+    from megatron_tsp import instrument
+    from megatron_tsp.train import initialize
 
-    if not torch.cuda.is_available():
-        enable_cpu_support()
-    model_parallel = (args.tsp_size * args.tensor_model_parallel_size * args.context_parallel_size
-                      * args.pipeline_model_parallel_size)
-    vocab = data.padded_vocab_size(args.vocab_size or 32000, args.make_vocab_size_divisible_by,
-                                   args.tsp_size * args.tensor_model_parallel_size)
-    megatron_tsp.initialize_model_parallel(
-        tsp_size=args.tsp_size, pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        context_parallel_size=args.context_parallel_size, create_gloo_process_groups=False)
-    if not fake:
-        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-        torch.manual_seed(args.seed)
-        model_parallel_cuda_manual_seed(args.seed)
+    # Fake tensors have no values to seed; megatron's RNG bookkeeping is off (_valueless).
+    initialize(args, seed=not fake, create_gloo_process_groups=False)
     try:
-        static, flops, records = _step(args, vocab, tracker, attention_backend, fake)
+        static, flops, records = _step(args, tracker, attention_backend, fake)
     finally:
         megatron_tsp.destroy_model_parallel()
     return {
         "parallel": {"tsp": args.tsp_size, "tp": args.tensor_model_parallel_size,
                      "cp": args.context_parallel_size, "pp": args.pipeline_model_parallel_size,
-                     "dp": world_size // model_parallel, "sequence_parallel": args.sequence_parallel,
+                     "dp": world_size // cfg.model_parallel_size(args), "sequence_parallel": args.sequence_parallel,
                      "world_size": world_size},
         "peak_gib": tracker.peak / GIB,
         "by_category_gib": {c: tracker.peak_by_category[c] / GIB for c in CATEGORIES},
@@ -307,37 +292,21 @@ def _run(args, world_size: int, tracker: StorageTracker, attention_backend: str,
     }
 
 
-def _step(args, vocab, tracker, attention_backend, fake: bool = True):
+def _step(args, tracker, attention_backend, fake: bool = True):
     """Build model and optimizer and run one step under ``tracker``; with ``fake``, under
     FakeTensorMode (else for real, to check the planner against)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from megatron.core.distributed import DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig
-
     from megatron_tsp import instrument, training
-    from megatron_tsp.train import batch_transform, layer_spec, transformer_config
+    from megatron_tsp.train import batch_transform, build
 
     valueless = (_valueless(), FakeTensorMode(allow_non_fake_inputs=True)) if fake else ()
     with contextlib.ExitStack() as stack:
         for ctx in valueless + (tracker,):
             stack.enter_context(ctx)
-        config = transformer_config(args)
-        model = training.build_model(
-            config, layer_spec(args, attention_backend, config), vocab, args.max_position_embeddings,
-            position_embedding_type=args.position_embedding_type,
-            share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-            ddp_config=DistributedDataParallelConfig(
-                use_distributed_optimizer=args.use_distributed_optimizer,
-                grad_reduce_in_fp32=args.bf16 or args.fp16),
-        )
         # No gradient clipping: megatron's torch fallback for the norm reads values (scalars,
-        # no memory to speak of).
-        optimizer = training.build_optimizer(model, OptimizerConfig(
-            optimizer="adam", lr=args.lr, weight_decay=args.weight_decay, clip_grad=0.0,
-            bf16=args.bf16, fp16=args.fp16, params_dtype=config.params_dtype,
-            use_distributed_optimizer=args.use_distributed_optimizer),
-            use_gloo_process_groups=False)
+        # no memory to speak of). No gloo groups: the fake backend has no peers.
+        _, model, optimizer = build(args, attention_backend, clip_grad=0.0, use_gloo_process_groups=False)
         _materialize_optimizer_states(optimizer)  # steady state: Adam moments exist
         chunk = model[0]
         grads = [b.grad_data for b in chunk.buffers + chunk.expert_parallel_buffers]

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F

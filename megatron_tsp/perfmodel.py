@@ -154,9 +154,9 @@ def _evaluate(values: Dict, mode: str, hw: Hardware, world: int, cp: int, brief:
     d = counts["parallel"]
     replicas = world // (d["tsp"] * d["tp"] * d["cp"] * d["pp"])
     tokens = args.micro_batch_size * args.seq_length
-    from megatron_tsp.data import padded_vocab_size
+    from megatron_tsp.data import padded_vocab
 
-    vocab = padded_vocab_size(args.vocab_size or 32000, args.make_vocab_size_divisible_by, d["tsp"] * d["tp"])
+    vocab = padded_vocab(args)
     model_flops = flops_formula.flops_per_sequence_from_args(args, vocab) * args.micro_batch_size
     out = {"parallel": d}
     for key, overlap in (("overlap", True), ("no_overlap", False)):

@@ -147,8 +147,8 @@ class Logger:
                 f.write(json.dumps(record) + "\n")
 
 
-def train(args, log_path: Optional[str] = None) -> Dict[str, Any]:
-    """Run on every rank of an initialised process group; returns the last log record."""
+def initialize(args, seed: bool = True, **megatron_kwargs) -> None:
+    """Process groups of the run (TSP, or TP/CP for a baseline) and, with ``seed``, the RNGs."""
     if not torch.cuda.is_available():
         enable_cpu_support()
     megatron_tsp.initialize_model_parallel(
@@ -156,24 +156,20 @@ def train(args, log_path: Optional[str] = None) -> Dict[str, Any]:
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         context_parallel_size=args.context_parallel_size,
+        **megatron_kwargs,
     )
-    torch.manual_seed(args.seed)
-    model_parallel_cuda_manual_seed(args.seed)
-    dp, dp_rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
-    global_batch = args.global_batch_size or args.micro_batch_size * dp
-    if global_batch % (args.micro_batch_size * dp):
-        raise ValueError(
-            f"--global-batch-size {global_batch} is not divisible by --micro-batch-size x data-parallel "
-            f"size = {args.micro_batch_size * dp}; change one of them"
-        )
-    num_microbatches = global_batch // (args.micro_batch_size * dp)
-    model_parallel = args.tsp_size * args.tensor_model_parallel_size
-    vocab = data.padded_vocab_size(data.tokenizer_for(args).vocab_size, args.make_vocab_size_divisible_by,
-                                   model_parallel)
+    if seed:
+        torch.manual_seed(args.seed)
+        model_parallel_cuda_manual_seed(args.seed)
 
+
+def build(args, attention_backend: str = "auto", clip_grad: Optional[float] = None,
+          use_gloo_process_groups: bool = True):
+    """(TransformerConfig, DDP model chunks, optimizer) of the run, as megatron-core builds them."""
     config = transformer_config(args)
     model = training.build_model(
-        config, layer_spec(args, config=config), vocab, args.max_position_embeddings,
+        config, layer_spec(args, attention_backend, config), data.padded_vocab(args),
+        args.max_position_embeddings,
         position_embedding_type=args.position_embedding_type,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         ddp_config=DistributedDataParallelConfig(
@@ -185,10 +181,27 @@ def train(args, log_path: Optional[str] = None) -> Dict[str, Any]:
     )
     optimizer = training.build_optimizer(model, OptimizerConfig(
         optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
-        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, clip_grad=args.clip_grad,
+        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
+        clip_grad=args.clip_grad if clip_grad is None else clip_grad,
         bf16=args.bf16, fp16=args.fp16, params_dtype=config.params_dtype,
         use_distributed_optimizer=args.use_distributed_optimizer,
-    ))
+    ), use_gloo_process_groups=use_gloo_process_groups)
+    return config, model, optimizer
+
+
+def train(args, log_path: Optional[str] = None) -> Dict[str, Any]:
+    """Run on every rank of an initialised process group; returns the last log record."""
+    initialize(args)
+    dp, dp_rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
+    global_batch = args.global_batch_size or args.micro_batch_size * dp
+    if global_batch % (args.micro_batch_size * dp):
+        raise ValueError(
+            f"--global-batch-size {global_batch} is not divisible by --micro-batch-size x data-parallel "
+            f"size = {args.micro_batch_size * dp}; change one of them"
+        )
+    num_microbatches = global_batch // (args.micro_batch_size * dp)
+    config, model, optimizer = build(args)
+    vocab = data.padded_vocab(args)
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0 if args.lr_warmup_iters else args.lr, max_lr=args.lr, min_lr=args.min_lr,
         lr_warmup_steps=args.lr_warmup_iters, lr_decay_steps=args.lr_decay_iters,

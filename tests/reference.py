@@ -95,6 +95,15 @@ class SavedBytes:
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 
 
+def assert_within(per_rank_cases, dtype) -> None:
+    """Every relative error of every case on every rank is within the dtype's tolerance."""
+    tol = TOLERANCE[dtype]
+    failures = [(case, {k: v for k, v in errors.items() if not v <= tol})
+                for cases in per_rank_cases for case, errors in cases]
+    failures = [f for f in failures if f[1]]
+    assert not failures, failures
+
+
 def init_tsp(tsp_size: int, **kwargs) -> None:
     """TSP groups plus megatron's RNG tracker (stock attention forks it)."""
     import megatron_tsp

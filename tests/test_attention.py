@@ -4,7 +4,6 @@ import itertools
 
 import pytest
 import torch
-import torch.distributed as dist
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -15,7 +14,7 @@ from megatron.core.transformer.torch_norm import WrappedTorchNorm
 import megatron_tsp
 from megatron_tsp import comm, volumes
 from megatron_tsp.attention import TSPSelfAttention
-from reference import (TOLERANCE, SavedBytes, configs, init_tsp, local_rows, rel_err, rotary_table,
+from reference import (assert_within, SavedBytes, configs, init_tsp, local_rows, rel_err, rotary_table,
                        shard_of, solo_pg_collection, summed)
 
 SEQ, BATCH, HIDDEN, HEADS = 16, 2, 64, 8
@@ -98,14 +97,7 @@ def _all_cases(tsp_size, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("tsp_size", [1, 2, 4])
 def test_matches_stock_self_attention(ranks, tsp_size, dtype):
-    tol = TOLERANCE[dtype]
-    failures = []
-    for rank_result in ranks(tsp_size, _all_cases, tsp_size, dtype):
-        for case, errors in rank_result:
-            bad = {k: v for k, v in errors.items() if not v <= tol}
-            if bad:
-                failures.append((case, bad))
-    assert not failures, failures
+    assert_within(ranks(tsp_size, _all_cases, tsp_size, dtype), dtype)
 
 
 def _overlap_and_determinism(tsp_size):

@@ -11,7 +11,7 @@ from megatron.core.transformer.mlp import MLP, MLPSubmodules
 import megatron_tsp
 from megatron_tsp import comm, volumes
 from megatron_tsp.mlp import TSPMLP
-from reference import (TOLERANCE, SavedBytes, configs, init_tsp, local_rows, rel_err, shard_of,
+from reference import (assert_within, SavedBytes, configs, init_tsp, local_rows, rel_err, shard_of,
                        solo_pg_collection, summed)
 
 SEQ, BATCH, HIDDEN, FFN = 16, 2, 32, 64
@@ -92,14 +92,7 @@ def _all_cases(tsp_size, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("tsp_size", [1, 2, 4, 8])
 def test_matches_stock_mlp(ranks, tsp_size, dtype):
-    tol = TOLERANCE[dtype]
-    failures = []
-    for rank_result in ranks(tsp_size, _all_cases, tsp_size, dtype):
-        for case, errors in rank_result:
-            bad = {k: v for k, v in errors.items() if not v <= tol}
-            if bad:
-                failures.append((case, bad))
-    assert not failures, failures
+    assert_within(ranks(tsp_size, _all_cases, tsp_size, dtype), dtype)
 
 
 def _overlap_determinism_and_traffic(tsp_size):
