@@ -128,23 +128,25 @@ class WorkerPool:
         # worker function runs; keep the parent's output readable.
         saved_warnings = os.environ.get("PYTHONWARNINGS")
         os.environ["PYTHONWARNINGS"] = "ignore"
-        for rank in range(world_size):
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(
-                target=_worker,
-                args=(rank, world_size, port, child, list(sys.path), collective_timeout_s),
-                # not daemonic: megatron's checkpoint writer starts processes of its own.
-                # A worker exits when its pipe to the parent closes.
-                daemon=False,
-            )
-            proc.start()
-            child.close()
-            self._conns.append(parent)
-            self._procs.append(proc)
-        if saved_warnings is None:
-            del os.environ["PYTHONWARNINGS"]
-        else:
-            os.environ["PYTHONWARNINGS"] = saved_warnings
+        try:
+            for rank in range(world_size):
+                parent, child = ctx.Pipe()
+                proc = ctx.Process(
+                    target=_worker,
+                    args=(rank, world_size, port, child, list(sys.path), collective_timeout_s),
+                    # not daemonic: megatron's checkpoint writer starts processes of its own.
+                    # A worker exits when its pipe to the parent closes.
+                    daemon=False,
+                )
+                proc.start()
+                child.close()
+                self._conns.append(parent)
+                self._procs.append(proc)
+        finally:
+            if saved_warnings is None:
+                del os.environ["PYTHONWARNINGS"]
+            else:
+                os.environ["PYTHONWARNINGS"] = saved_warnings
         self._collect("start-up", start_timeout_s)
 
     @property
