@@ -35,7 +35,7 @@ from megatron_tsp import comm, zigzag
 from megatron_tsp.checks import check_attention_config
 from megatron_tsp.kernels import causal_attention, select_backend
 from megatron_tsp.parallel_state import resolve_tsp_groups
-from megatron_tsp.streaming import ShardStream
+from megatron_tsp.streaming import ShardStream, linear_pair_shard
 
 
 class TSPSelfAttention(SelfAttention):
@@ -71,11 +71,7 @@ class TSPSelfAttention(SelfAttention):
     # ---- parameters streamed per head group -------------------------------------------
     def shard_tensors(self) -> List[torch.Tensor]:
         """This rank's weight shard, in the order it travels: Wqkv, (bqkv), Wproj."""
-        tensors = [self.linear_qkv.weight]
-        if self.linear_qkv.bias is not None:
-            tensors.append(self.linear_qkv.bias)
-        tensors.append(self.linear_proj.weight)
-        return tensors
+        return linear_pair_shard(self.linear_qkv, self.linear_proj)
 
     def replicated_parameters(self) -> List[torch.nn.Parameter]:
         """Parameters every rank holds whole and uses on its own tokens (q/k norms)."""

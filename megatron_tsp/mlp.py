@@ -28,7 +28,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_tsp import comm
 from megatron_tsp.checks import check_mlp_config
 from megatron_tsp.parallel_state import resolve_tsp_groups
-from megatron_tsp.streaming import ShardRing
+from megatron_tsp.streaming import ShardRing, linear_pair_shard
 
 
 class TSPMLP(MLP):
@@ -64,11 +64,7 @@ class TSPMLP(MLP):
 
     def shard_tensors(self) -> List[torch.Tensor]:
         """This rank's shard, in the order it travels: W1, (b1), W2."""
-        tensors = [self.linear_fc1.weight]
-        if self.linear_fc1.bias is not None:
-            tensors.append(self.linear_fc1.bias)
-        tensors.append(self.linear_fc2.weight)
-        return tensors
+        return linear_pair_shard(self.linear_fc1, self.linear_fc2)
 
     def activation(self, h: torch.Tensor) -> torch.Tensor:
         """megatron's unfused MLP activation (mlp.py, MLP.forward), on one shard."""

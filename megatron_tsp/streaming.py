@@ -19,6 +19,12 @@ from megatron_tsp import comm
 Shard = List[torch.Tensor]
 
 
+def linear_pair_shard(first: torch.nn.Module, second: torch.nn.Module) -> Shard:
+    """A layer's shard as it travels: the first linear's weight (and bias: it is split
+    with the weight) and the second linear's weight (its bias is replicated, not sent)."""
+    return [first.weight] + ([first.bias] if first.bias is not None else []) + [second.weight]
+
+
 def pack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.cat([t.reshape(-1) for t in tensors])
 

@@ -58,6 +58,17 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((actual - expected).abs().max() / expected.abs().max().clamp(min=1e-30))
 
 
+def replicated_bias_error(bias, bias_ref, dy_full, group) -> float:
+    """Relative error of a replicated output bias's gradient, summed over the group.
+
+    The bias is added by the layer's bias-dropout-add, so the test applies it: each rank to
+    its own tokens, the reference to all of them.
+    """
+    (bias * local_rows(dy_full, group).sum((0, 1))).sum().backward()
+    (bias_ref * dy_full.sum((0, 1))).sum().backward()
+    return rel_err(summed(bias.grad, group), bias_ref.grad)
+
+
 def summed(t: torch.Tensor, group) -> torch.Tensor:
     """Sum of a replicated parameter's partial gradients over the group."""
     t = t.clone()
