@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import defaultdict
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -34,7 +34,6 @@ class CommCounter:
 
     def __init__(self) -> None:
         self._scopes: List[str] = []
-        self.enabled = True
         self.reset()
 
     def reset(self) -> None:
@@ -47,8 +46,6 @@ class CommCounter:
         return "/".join(self._scopes) or "global"
 
     def record(self, primitive: str, sent: int, received: int) -> None:
-        if not self.enabled:
-            return
         entry = self.records[self.current_scope][primitive]
         entry["calls"] += 1
         entry["bytes_sent"] += sent
@@ -56,20 +53,6 @@ class CommCounter:
 
     def as_dict(self) -> Dict[str, Dict[str, Dict[str, int]]]:
         return {scope: {p: dict(e) for p, e in prims.items()} for scope, prims in self.records.items()}
-
-    def total(self, key: str = "bytes_received", scope_prefix: str = "",
-              scope_suffix: str = "", primitive: Optional[str] = None) -> int:
-        """Sum ``key`` over scopes matching prefix/suffix (and one primitive, if given)."""
-        out = 0
-        for scope, prims in self.records.items():
-            if scope.startswith(scope_prefix) and scope.endswith(scope_suffix):
-                for name, entry in prims.items():
-                    if primitive is None or name == primitive:
-                        out += entry[key]
-        return out
-
-    def primitives(self, scope_prefix: str = "") -> set:
-        return {p for s, prims in self.records.items() if s.startswith(scope_prefix) for p in prims}
 
 
 COUNTER = CommCounter()

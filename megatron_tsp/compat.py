@@ -272,10 +272,6 @@ def _with(config, **changes):
     return config
 
 
-def cpu_support_enabled() -> bool:
-    return _ENABLED
-
-
 def enable_cpu_support() -> bool:
     """Make megatron-core's GPTModel + DDP + optimizer + schedules path run on CPU.
 
@@ -302,5 +298,5 @@ def enable_cpu_support() -> bool:
     return True
 
 
-__all__: List[str] = ["enable_cpu_support", "cpu_support_enabled", "enable_torch_adam_checkpoints",
+__all__: List[str] = ["enable_cpu_support", "enable_torch_adam_checkpoints",
                       "SHIMS", "TORCH_ADAM_SHIMS"]

@@ -222,13 +222,3 @@ def _kill_tree(pid: int) -> None:
             p.kill()
         except psutil.NoSuchProcess:
             pass
-
-
-def run_on_ranks(fn: Callable, world_size: int, *args, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 **kwargs) -> List[Any]:
-    """One-shot: start ``world_size`` gloo ranks, run ``fn`` on each, shut them down."""
-    pool = WorkerPool(world_size)
-    try:
-        return pool.run(fn, *args, timeout_s=timeout_s, **kwargs)
-    finally:
-        pool.close()

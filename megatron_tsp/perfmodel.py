@@ -148,7 +148,9 @@ def predict(config_path: str, hw: Hardware, nodes: int = 1, modes: List[str] = (
 
 
 def _evaluate(values: Dict, mode: str, hw: Hardware, world: int, cp: int, brief: bool = False) -> Dict:
-    args = cfg.resolve(memory_mode_values(values, mode, cp))
+    from megatron_tsp.memory import mode_values
+
+    args = cfg.resolve(mode_values(values, mode, cp))
     counts = layer_counts(values, mode, world, cp)
     total = totals_for(counts, args.num_layers)
     d = counts["parallel"]
@@ -170,12 +172,6 @@ def _evaluate(values: Dict, mode: str, hw: Hardware, world: int, cp: int, brief:
         out["attention_flops_per_rank"] = total["attention_flops"]
         out["paper_accountings"] = _accountings(values, mode, hw, world, cp, counts, args, vocab, replicas)
     return out
-
-
-def memory_mode_values(values: Dict, mode: str, cp: int) -> Dict:
-    from megatron_tsp.memory import mode_values
-
-    return mode_values(values, mode, cp)
 
 
 def _accountings(values, mode, hw, world, cp, counts, args, vocab, replicas) -> Dict:

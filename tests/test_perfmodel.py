@@ -1,0 +1,49 @@
+"""Performance model: the timing rules, the layer extrapolation, and a whole prediction."""
+
+import os
+
+from megatron_tsp import config, memory, perfmodel
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HW = perfmodel.load_hardware(os.path.join(ROOT, "configs", "hardware", "mi300x.yaml"))
+TINY = os.path.join(ROOT, "configs", "tiny-cpu.yaml")
+
+
+def _comm(group, nbytes, calls=1):
+    return {group: {"forward": {"x": {"calls": calls, "bytes_sent": nbytes, "bytes_received": nbytes}}}}
+
+
+def test_overlap_hides_only_the_modes_overlappable_traffic():
+    gb = 1e9
+    total = {"flops": 2 * HW.peak_tflops * 1e12 * HW.matmul_efficiency, "attention_flops": 0,
+             "comm": {**_comm("tsp_weight", 300 * gb), **_comm("tp", 30 * gb)}}
+    on = perfmodel.step_time(total, HW, "tsp", overlap=True, world_size=8)
+    off = perfmodel.step_time(total, HW, "tsp", overlap=False, world_size=8)
+    latency = HW.intra_node_latency_us * 1e-6
+    assert abs(on["compute_s"] - 2.0) < 1e-9
+    weights, kv = 300 / HW.intra_node_gbs + latency, 30 / HW.intra_node_gbs + latency
+    assert abs(on["step_s"] - (max(2.0, weights) + kv)) < 1e-9   # K/V exposed, weights hidden
+    assert abs(off["step_s"] - (2.0 + weights + kv)) < 1e-9
+    tp_traffic = dict(total, comm=_comm("tp", 900 * gb))
+    baseline = perfmodel.step_time(tp_traffic, HW, "tp-sp", overlap=True, world_size=8)
+    assert abs(baseline["step_s"] - (900 / HW.intra_node_gbs + latency)) < 1e-9  # TP traffic hidden
+
+
+def test_layer_extrapolation_matches_a_full_plan():
+    values = config.load_config(TINY)
+    counts = perfmodel.layer_counts(values, "tsp")
+    full = memory.plan(values, "tsp")
+    total = perfmodel.totals_for(counts, config.resolve(values).num_layers)
+    assert abs(total["flops"] - full["flops_per_rank"]) <= 1e-9 * full["flops_per_rank"]
+    assert perfmodel.totals_for(counts, 4)["comm"]["tp"] == full["comm"]["tp"]
+
+
+def test_prediction_has_every_mode_and_a_sweep():
+    result = perfmodel.predict(TINY, HW, nodes=1, modes=["tsp", "tp-sp"], seq_lengths=[128, 256])
+    for mode in ("tsp", "tp-sp"):
+        for key in ("overlap", "no_overlap"):
+            r = result["modes"][mode][key]
+            assert r["step_s"] >= r["compute_s"] > 0 and 0 < r["mfu"] < 1
+        assert result["modes"][mode]["overlap"]["step_s"] <= result["modes"][mode]["no_overlap"]["step_s"]
+    assert set(result["sweep"]) == {128, 256}
+    assert "mi300x" in perfmodel.table(result)
