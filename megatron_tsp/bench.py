@@ -11,12 +11,9 @@ difference is the communication the overlap hides), bytes received per rank per 
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
-import platform
 import statistics
-import subprocess
 import time
 from typing import Dict, List
 
@@ -24,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_tsp import config as cfg
+from megatron_tsp.env import run_record
 
 BENCH_MODES = ("tsp", "tsp-no-overlap", "tp-sp", "tp-cp")
 
@@ -81,24 +79,11 @@ def _memory(values: Dict, mode: str, seq: int) -> float:
     return memory.measure(_values_for(values, mode, seq), "tsp" if mode.startswith("tsp") else mode)["peak_gib"]
 
 
-def setup_record(config_path: str, nproc: int) -> Dict:
-    from megatron_tsp.env import environment
-
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    except OSError:
-        commit = None
-    return {"date": datetime.datetime.now().isoformat(timespec="seconds"), "config": config_path,
-            "ranks": nproc, "machine": platform.platform(), "cpus": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(), "commit": commit, **environment()}
-
-
 def run(config_path: str, seqs: List[int], modes: List[str], repeats: int, steps: int, warmup: int,
         runner, nproc: int) -> Dict:
     """``runner(fn, *args)`` runs ``fn`` on every rank and returns the per-rank results."""
     values = cfg.load_config(config_path)
-    result = {"setup": setup_record(config_path, nproc), "repeats": repeats, "steps": steps,
+    result = {"setup": run_record(config=config_path, ranks=nproc), "repeats": repeats, "steps": steps,
               "warmup": warmup, "results": {}}
     for seq in seqs:
         blocks = {mode: [] for mode in modes}

@@ -58,3 +58,22 @@ def environment() -> Dict[str, object]:
     }
     info.update(device_and_backend())
     return info
+
+
+def run_record(**extra) -> Dict[str, object]:
+    """What a results file needs to say about where it was made: date, machine, commit,
+    library versions, device (plus ``extra``)."""
+    import datetime
+    import os
+    import subprocess
+
+    import torch
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
+    except OSError:
+        commit = None
+    return {"date": datetime.datetime.now().isoformat(timespec="seconds"), **extra,
+            "machine": platform.platform(), "cpus": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(), "commit": commit, **environment()}

@@ -72,11 +72,11 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="bench/results/gpu-check.json")
     cfg.add_arguments(parser, keys=["num_layers", "seq_length", "max_position_embeddings"])
     ns = parser.parse_args(argv)
-    from megatron_tsp.env import environment
+    from megatron_tsp.env import run_record
 
     values = cfg.load_config(ns.config)
     values.update(cfg.overrides(ns))
-    result = {"setup": environment(), "config": ns.config, "overrides": cfg.overrides(ns), "modes": {}}
+    result = {"setup": run_record(), "config": ns.config, "overrides": cfg.overrides(ns), "modes": {}}
     for mode in ns.modes.split(","):
         result["modes"][mode] = r = check_mode(values, mode, ns.steps)
         print(f"{mode}: compute {r['compute_s_median']:.3f} s/step, peak measured {r['measured_peak_gib']} GiB, "

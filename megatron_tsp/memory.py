@@ -340,7 +340,10 @@ def plan_modes(config_path: str, modes: List[str], world_size: Optional[int] = N
     values.update(overrides or {})
     results = {mode: plan(copy.deepcopy(values), mode, world_size, cp) for mode in modes}
     seq = cfg.resolve(mode_values(values, modes[0], cp)).seq_length
-    return {"config": config_path, "seq_length": seq, "modes": results}
+    from megatron_tsp.env import run_record
+
+    return {"setup": run_record(config=config_path, world_size=world_size), "config": config_path,
+            "seq_length": seq, "modes": results}
 
 
 def table(result: Dict) -> str:

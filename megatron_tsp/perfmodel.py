@@ -30,6 +30,7 @@ import yaml
 
 from megatron_tsp import config as cfg
 from megatron_tsp import flops as flops_formula
+from megatron_tsp.env import run_record
 
 INTRA_NODE_GROUPS = ("tp", "cp", "tsp_weight")
 OVERLAPPABLE = {
@@ -129,7 +130,8 @@ def predict(config_path: str, hw: Hardware, nodes: int = 1, modes: List[str] = (
     values = cfg.load_config(config_path)
     values.update(overrides or {})
     world = nodes * hw.gpus_per_node
-    results: Dict = {"config": config_path, "hardware": hw.__dict__, "nodes": nodes, "modes": {}}
+    results: Dict = {"setup": run_record(config=config_path), "config": config_path,
+                     "hardware": hw.__dict__, "nodes": nodes, "modes": {}}
     base_seq = cfg.resolve(values).seq_length
     for mode in modes:
         results["modes"][mode] = _evaluate(values, mode, hw, world, cp)
@@ -170,41 +172,31 @@ def _evaluate(values: Dict, mode: str, hw: Hardware, world: int, cp: int, brief:
     if not brief:
         out["flops_per_rank"] = total["flops"]
         out["attention_flops_per_rank"] = total["attention_flops"]
-        out["paper_accountings"] = _accountings(values, mode, hw, world, cp, counts, args, vocab, replicas)
+        out["paper_accountings"] = _accountings(mode, hw, world, counts, args, replicas,
+                                                out["overlap"]["step_s"])
     return out
 
 
-def _accountings(values, mode, hw, world, cp, counts, args, vocab, replicas) -> Dict:
+def _accountings(mode, hw, world, counts, args, replicas, full_step_s) -> Dict:
     """Cluster tokens/s under the readings of 'tokens/s' a report might use."""
     tokens = args.micro_batch_size * args.seq_length
-    layers = args.num_layers
     per_layer = counts["per_layer"]
-    fwd_share = 1.0 / 3.0  # of a layer's fwd+bwd model FLOPs (no recompute)
-    model_layer = flops_formula.flops_per_sequence(1, args.hidden_size, args.ffn_hidden_size, args.num_attention_heads,
-                                                   args.num_query_groups, args.kv_channels, args.seq_length, 0,
-                                                   args.swiglu) * args.micro_batch_size
-    ranks = world // replicas
-    peak = hw.peak_tflops * 1e12
+    # one layer's model FLOPs (no recompute) per rank, with the planner's attention share
+    layer_flops = flops_formula.flops_per_sequence(
+        1, args.hidden_size, args.ffn_hidden_size, args.num_attention_heads, args.num_query_groups,
+        args.kv_channels, args.seq_length, 0, args.swiglu) * args.micro_batch_size / (world // replicas)
+    attn_share = per_layer["attention_flops"] / per_layer["flops"] if per_layer["flops"] else 0.0
 
     def layer_time(fraction, phases):
-        attention = per_layer["attention_flops"]
-        attn_share = attention / per_layer["flops"] if per_layer["flops"] else 0.0
-        flops = model_layer * fraction / ranks
-        compute = flops * (1 - attn_share) / (peak * hw.matmul_efficiency) + \
-            flops * attn_share / (peak * hw.attention_efficiency)
-        comm = step_time({"flops": 0, "attention_flops": 0, "comm": per_layer["comm"]}, hw, mode, True, world,
-                         phases=phases)
-        hidden = sum(t for g, t in comm["comm_s"].items() if g in OVERLAPPABLE[mode])
-        exposed = sum(t for g, t in comm["comm_s"].items() if g not in OVERLAPPABLE[mode])
-        return max(compute, hidden) + exposed
+        flops = layer_flops * fraction
+        total = {"flops": flops, "attention_flops": flops * attn_share, "comm": per_layer["comm"]}
+        return step_time(total, hw, mode, True, world, phases=phases)["step_s"]
 
-    fwd_layer = layer_time(fwd_share, ("forward",))
-    fwd_bwd_layer = layer_time(1.0, ("forward", "backward"))
-    full = step_time(totals_for(counts, layers), hw, mode, True, world)["step_s"]
+    fwd_layer = layer_time(1.0 / 3.0, ("forward",))  # forward is a third of fwd+bwd
     return {
-        "training step, all layers": replicas * tokens / full,
-        "forward, all layers": replicas * tokens / (layers * fwd_layer),
-        "forward+backward, one layer": replicas * tokens / fwd_bwd_layer,
+        "training step, all layers": replicas * tokens / full_step_s,
+        "forward, all layers": replicas * tokens / (args.num_layers * fwd_layer),
+        "forward+backward, one layer": replicas * tokens / layer_time(1.0, ("forward", "backward")),
         "forward, one layer": replicas * tokens / fwd_layer,
     }
 
