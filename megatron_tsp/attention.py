@@ -9,14 +9,16 @@ ranks together:
     q, k, v   = split(x_p Wqkv_r^T + bqkv_r)          a/D query heads, g/D kv heads
     q, k      = rope(q, k) at the global positions of p's tokens
     K_r, V_r  = all_gather_seq(k, v)                   [S, b, g/D, d], global order
-    y_p      += causal_attention(q, K_r, V_r) Wproj_r^T
+    y_p      += block_attention(q, K_r, V_r) Wproj_r^T
 
 so ``y_p = sum_r attn_r(x_p) Wproj_r^T`` is the full attention output for p's tokens: no
 all-reduce. Backward (derived; DESIGN.md section 2) re-broadcasts W_r, re-gathers K_r, V_r
 (never saved full-length), reduce-scatters dK_r, dV_r to the token owners and reduces the
 partial dW_r of every rank to its owner r. Saved for backward: ``x_p``, this rank's own
-shards, and per head group the projection and attention output of p's tokens only (1/D of
-what one device saves); the attention scores are recomputed, no projection is.
+shards, and per head group the projection, attention output and log-sum-exp of p's tokens
+only (1/D of what one device saves); nothing is recomputed but what a flash kernel's own
+backward recomputes. The attention itself is :func:`megatron_tsp.kernels.block_attention`,
+the op every baseline uses too.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_tsp import comm, zigzag
 from megatron_tsp.checks import check_attention_config
-from megatron_tsp.kernels import causal_attention, select_backend
+from megatron_tsp.kernels import block_attention_backward, block_attention_forward, select_backend
+from megatron_tsp.kv import GatherKV, ScatterKVGrads
 from megatron_tsp.parallel_state import resolve_tsp_groups
 from megatron_tsp.streaming import ShardStream, linear_pair_shard
 
@@ -67,6 +70,7 @@ class TSPSelfAttention(SelfAttention):
         self.attention_backend = select_backend(attention_backend)
         self.softmax_scale = config.softmax_scale or 1.0 / math.sqrt(self.hidden_size_per_attention_head)
         self.comm_scope = f"layer{self.layer_number}/attention"
+        self.chunk_ids = zigzag.rank_chunks(group.size(), group.rank())
 
     # ---- parameters streamed per head group -------------------------------------------
     def shard_tensors(self) -> List[torch.Tensor]:
@@ -96,10 +100,15 @@ class TSPSelfAttention(SelfAttention):
             key = apply_rotary_pos_emb(key, freqs, config=self.config, cp_group=self.pg_collection.cp)
         return query, key, value
 
-    def attend(self, query, keys, values, rank: int) -> torch.Tensor:
-        """Causal attention of local queries against the gathered keys: ``[s, b, a/D, d]``."""
-        return zigzag_attention(query, keys, values, self.tsp_group.size(), rank,
-                                self.softmax_scale, self.attention_backend)
+    def attend(self, query, keys, values):
+        """Causal attention of local queries against the gathered keys: out ``[s, b, a/D, d]``
+        and its log-sum-exp ``[b, a/D, s]``."""
+        return block_attention_forward(query, keys, values, self.chunk_ids, self.softmax_scale,
+                                       self.attention_backend)
+
+    def attend_backward(self, d_out, query, keys, values, out, lse):
+        return block_attention_backward(d_out, query, keys, values, out, lse, self.chunk_ids,
+                                        self.softmax_scale, self.attention_backend)
 
     # ---- forward -----------------------------------------------------------------------
     def forward(
@@ -145,95 +154,59 @@ class TSPSelfAttention(SelfAttention):
         return output, self.linear_proj.bias
 
 
-def zigzag_attention(query, keys, values, size: int, rank: int, scale: float, backend: str):
-    """Causal attention of a rank's zigzag query chunks against full-sequence keys.
-
-    ``query`` ``[s/D, b, hq, d]`` holds chunks r and 2D-1-r; ``keys``/``values``
-    ``[S, b, hk, d]`` are in global order. Chunk c sees every key before it and itself
-    causally, so each chunk attends to the key prefix that ends with it.
-    """
-    chunk = query.size(0) // 2
-    outputs = []
-    for i, global_chunk in enumerate(zigzag.rank_chunks(size, rank)):
-        visible = (global_chunk + 1) * chunk
-        outputs.append(causal_attention(query[i * chunk : (i + 1) * chunk], keys[:visible],
-                                        values[:visible], scale, backend))
-    return torch.cat(outputs, dim=0)
-
-
-def gather_kv(key, value, group, rank_order_to_global: torch.Tensor):
-    """[s/D, b, g, d] x2 -> full-sequence K, V in global (natural) order."""
-    local = torch.stack([key, value])  # [2, s/D, b, g, d]
-    local = local.transpose(0, 1).contiguous()  # sequence first for the gather
-    full = local.new_empty((local.size(0) * group.size(),) + tuple(local.shape[1:]))
-    comm.all_gather(full, local, group)
-    full = full.index_select(0, rank_order_to_global)
-    return full[:, 0], full[:, 1]
-
-
-def scatter_kv_grads(d_keys, d_values, group, global_to_rank_order: torch.Tensor):
-    """Full-sequence dK, dV (global order) -> this rank's tokens, summed over ranks."""
-    full = torch.stack([d_keys, d_values], dim=1).index_select(0, global_to_rank_order).contiguous()
-    local = full.new_empty((full.size(0) // group.size(),) + tuple(full.shape[1:]))
-    comm.reduce_scatter(local, full, group)
-    return local[:, 0], local[:, 1]
-
-
-class AllGatherKV(torch.autograd.Function):
-    """K, V = all_gather_seq(k, v) in global order; backward: dk, dv = reduce_scatter(dK, dV).
-
-    For layers that differentiate through the gather with autograd (context-parallel
-    baselines); TSP attention calls :func:`gather_kv` inside its own backward schedule.
-    """
-
-    @staticmethod
-    def forward(ctx, key, value, group):
-        seq = key.size(0) * group.size()
-        ctx.group = group
-        return gather_kv(key, value, group, zigzag.inverse_permutation(seq, group.size(), key.device))
-
-    @staticmethod
-    def backward(ctx, d_keys, d_values):
-        group = ctx.group
-        perm = zigzag.permutation(d_keys.size(0), group.size(), d_keys.device)
-        dk, dv = scatter_kv_grads(d_keys.contiguous(), d_values.contiguous(), group, perm)
-        return dk, dv, None
-
-
 class _TSPAttentionFunction(torch.autograd.Function):
     """y_p = sum_r attn(x_p; W_r) Wproj_r^T with W_r broadcast from rank r (module docstring).
 
-    Saved per head group r, for this rank's tokens only: the QKV projection ``m_r`` and the
-    attention output ``o_r`` (together 1/D of what one device would save). Backward
-    re-broadcasts W_r, re-gathers K_r, V_r from ``m_r`` and recomputes only the attention
-    scores (inside the attention backward); no projection GEMM is recomputed.
+    Saved per head group r, for this rank's tokens only: the QKV projection ``m_r``, the
+    attention output ``o_r`` and its log-sum-exp (together 1/D of what one device would
+    save). Backward re-broadcasts W_r, re-gathers K_r, V_r from ``m_r`` and runs the
+    attention kernels' backward from ``(o_r, lse_r)``: no attention forward and no
+    projection GEMM is recomputed.
+
+    K/V overlap (``layer.overlap_comm``): in forward the QKV projection runs one head group
+    ahead, so that group r+1's K/V all-gather is in flight while group r attends; in backward
+    group r+1's K/V gather is started before group r's attention backward, and group r's
+    dK/dV reduce-scatter is in flight while group r+1 computes (group r's weight gradients
+    are finished after it). The order of every sum is the same with and without overlap, so
+    results are bit-identical. The cost: the previous head group's shard stays alive one
+    step longer (three shards per layer at most, one of them in flight).
     """
 
     @staticmethod
     def forward(ctx, layer: TSPSelfAttention, freqs, x, *params):
         n_shard = len(layer.shard_tensors())
         own = params[:n_shard]
-        group = layer.tsp_group
-        d_size, rank = group.size(), group.rank()
-        # zigzag.permutation maps rank order -> global positions; gathering in rank order
-        # and indexing with its inverse gives the natural order the causal mask assumes.
-        to_global = zigzag.inverse_permutation(x.size(0) * d_size, d_size, x.device)
         y = torch.zeros(x.shape[:2] + (layer.config.hidden_size,), dtype=x.dtype, device=x.device)
-        projections, outputs = [], []
+        projections, outputs, lses = [], [], []
+
+        def finish(query, gather, w_proj):
+            nonlocal y
+            out, lse = layer.attend(query, *gather.wait())
+            out = out.flatten(2)
+            y += F.linear(out, w_proj)
+            outputs.append(out)
+            lses.append(lse)
+
+        pending = None  # (q, K/V gather in flight, Wproj) of the previous head group
         stream = ShardStream(own, layer.weight_group, overlap=layer.overlap_comm)
         with comm.scope(f"{layer.comm_scope}/forward"):
-            for r, shard in stream:
+            for _, shard in stream:
                 mixed = F.linear(x, *shard[:-1])
                 q, k, v = layer.split_heads(mixed, freqs)
-                keys, values = gather_kv(k, v, group, to_global)
-                out = layer.attend(q, keys, values, rank).flatten(2)
-                del keys, values
-                y += F.linear(out, shard[-1])
                 projections.append(mixed)
-                outputs.append(out)
+                current = (q, GatherKV(k, v, layer.tsp_group), shard[-1])
+                del q, k, v
+                if not layer.overlap_comm:
+                    finish(*current)
+                    continue
+                if pending is not None:
+                    finish(*pending)
+                pending = current
+            if pending is not None:
+                finish(*pending)
         ctx.layer = layer
         ctx.n_shard = n_shard
-        ctx.save_for_backward(freqs, x, *own, *projections, *outputs)
+        ctx.save_for_backward(freqs, x, *own, *projections, *outputs, *lses)
         return y
 
     @staticmethod
@@ -241,39 +214,68 @@ class _TSPAttentionFunction(torch.autograd.Function):
         layer: TSPSelfAttention = ctx.layer
         freqs, x, *rest = ctx.saved_tensors
         own, rest = rest[: ctx.n_shard], rest[ctx.n_shard :]
-        projections, outputs = rest[: len(rest) // 2], rest[len(rest) // 2 :]
+        d_size = layer.tsp_group.size()
+        projections, outputs, lses = rest[:d_size], rest[d_size : 2 * d_size], rest[2 * d_size :]
         replicated = layer.replicated_parameters()
-        group = layer.tsp_group
-        d_size, rank = group.size(), group.rank()
-        to_global = zigzag.inverse_permutation(x.size(0) * d_size, d_size, x.device)
-        to_rank_order = zigzag.permutation(x.size(0) * d_size, d_size, x.device)
+        head_dim = layer.hidden_size_per_attention_head
         dy2d = dy.reshape(-1, dy.size(-1))
         x2d = x.reshape(-1, x.size(-1))
         dx = torch.zeros_like(x)
-        d_replicated = [torch.zeros_like(p) for p in replicated]
+        # summed over head groups in fp32: D partial sums of a bf16 norm gradient lose bits
+        d_replicated = [torch.zeros_like(p, dtype=torch.float32) for p in replicated]
         stream = ShardStream(own, layer.weight_group, overlap=layer.overlap_comm)
+
+        def heads(r):
+            """Group r's q, k, v from its saved projection (a graph for the norm/RoPE
+            backward), and its K/V all-gather started."""
+            mixed = projections[r].detach().requires_grad_()
+            with torch.enable_grad():
+                q, k, v = layer.split_heads(mixed, freqs)
+            return (mixed, q, k, v), GatherKV(k.detach(), v.detach(), layer.tsp_group)
+
+        def attention_backward(r, shard, graph, gather):
+            """dWproj, and the attention backward of group r up to dq and its dK/dV
+            reduce-scatter (started)."""
+            out = outputs[r]
+            d_proj = dy2d.t() @ out.reshape(-1, out.size(-1))
+            d_out = (dy @ shard[-1]).view(out.shape[:2] + (-1, head_dim))
+            keys, values = gather.wait()
+            dq, d_keys, d_values = layer.attend_backward(d_out, graph[1].detach(), keys, values,
+                                                         out.view_as(d_out), lses[r])
+            return r, shard, graph, dq, ScatterKVGrads(d_keys, d_values, layer.tsp_group), d_proj
+
+        def weight_backward(r, shard, graph, dq, scatter, d_proj):
+            """Group r's dx, dW (reduced to its owner) and norm gradients, once dK/dV are back."""
+            nonlocal dx
+            mixed, q, k, v = graph
+            dk, dv = scatter.wait()
+            d_mixed, *d_norms = torch.autograd.grad((q, k, v), (mixed, *replicated), (dq, dk, dv))
+            for acc, g in zip(d_replicated, d_norms):
+                acc += g
+            d_mixed2d = d_mixed.reshape(-1, d_mixed.size(-1))
+            dx += (d_mixed2d @ shard[0]).view_as(x)
+            has_bias = len(shard) == 3
+            d_qkv = [d_mixed2d.t() @ x2d] + ([d_mixed2d.sum(0)] if has_bias else [])
+            stream.reduce_grad(r, [*d_qkv, d_proj])
+
         with comm.scope(f"{layer.comm_scope}/backward"):
+            upcoming = heads(0)
+            pending = None  # the previous group, waiting for its dK/dV
             for r, shard in stream:
-                w_proj, out = shard[-1], outputs[r]
-                d_proj = dy2d.t() @ out.reshape(-1, out.size(-1))
-                d_out = (dy @ w_proj).view(out.shape[:2] + (-1, layer.hidden_size_per_attention_head))
-                mixed = projections[r].detach().requires_grad_()
-                with torch.enable_grad():
-                    q, k, v = layer.split_heads(mixed, freqs)
-                keys, values = gather_kv(k.detach(), v.detach(), group, to_global)
-                q_in, keys, values = (t.detach().requires_grad_() for t in (q, keys, values))
-                with torch.enable_grad():
-                    attended = layer.attend(q_in, keys, values, rank)
-                dq, d_keys, d_values = torch.autograd.grad(attended, (q_in, keys, values), d_out)
-                del attended, keys, values
-                dk, dv = scatter_kv_grads(d_keys, d_values, group, to_rank_order)
-                del d_keys, d_values
-                d_mixed, *d_norms = torch.autograd.grad((q, k, v), (mixed, *replicated), (dq, dk, dv))
-                for acc, g in zip(d_replicated, d_norms):
-                    acc += g
-                d_mixed2d = d_mixed.reshape(-1, d_mixed.size(-1))
-                dx += (d_mixed2d @ shard[0]).view_as(x)
-                d_qkv = [d_mixed2d.t() @ x2d] + ([d_mixed2d.sum(0)] if len(shard) == 3 else [])
-                stream.reduce_grad(r, [*d_qkv, d_proj])
+                graph, gather = upcoming
+                if layer.overlap_comm and r + 1 < d_size:
+                    upcoming = heads(r + 1)
+                current = attention_backward(r, shard, graph, gather)
+                del graph, gather
+                if not layer.overlap_comm:
+                    weight_backward(*current)
+                    if r + 1 < d_size:
+                        upcoming = heads(r + 1)
+                    continue
+                if pending is not None:
+                    weight_backward(*pending)
+                pending = current
+            if pending is not None:
+                weight_backward(*pending)
             own_grads = stream.own_grads()
-        return (None, None, dx, *own_grads, *d_replicated)
+        return (None, None, dx, *own_grads, *(g.to(p.dtype) for g, p in zip(d_replicated, replicated)))

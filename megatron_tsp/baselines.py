@@ -22,12 +22,13 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_tsp.attention import AllGatherKV, zigzag_attention
-from megatron_tsp.kernels import causal_attention, select_backend
+from megatron_tsp import zigzag
+from megatron_tsp.kernels import block_attention, select_backend
+from megatron_tsp.kv import AllGatherKV
 
 
 class FlashDotProductAttention(MegatronModule):
-    """Causal core attention for stock megatron attention, without the S x S scores.
+    """Causal core attention for stock megatron attention: :func:`megatron_tsp.kernels.block_attention`, the op TSP uses.
 
     Takes ``[sq, b, heads, d]`` query/key/value as ``DotProductAttention`` does and returns
     ``[sq, b, heads * d]``. Under context parallelism the local sequence is this CP rank's
@@ -58,11 +59,10 @@ class FlashDotProductAttention(MegatronModule):
         if packed_seq_params is not None or attention_bias is not None:
             raise NotImplementedError("FlashDotProductAttention: packed sequences and attention bias are not supported")
         cp = self.cp_group.size()
-        if cp == 1:
-            out = causal_attention(query, key, value, self.softmax_scale, self.backend)
-        else:
-            keys, values = AllGatherKV.apply(key, value, self.cp_group)
-            out = zigzag_attention(query, keys, values, cp, self.cp_group.rank(), self.softmax_scale, self.backend)
+        if cp > 1:
+            key, value = AllGatherKV.apply(key, value, self.cp_group)
+        out = block_attention(query, key, value, zigzag.rank_chunks(cp, self.cp_group.rank()) if cp > 1 else [0],
+                              self.softmax_scale, self.backend)
         return out.reshape(out.size(0), out.size(1), -1)
 
 

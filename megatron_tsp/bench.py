@@ -1,12 +1,19 @@
 """Side-by-side benchmark of TSP, TP+SP and TP x CP training steps on the machine at hand.
 
 Every mode trains the same model (same config, data and seed) on the same ranks (gloo on a
-CPU, NCCL/RCCL under torchrun on GPUs). Modes are interleaved: repeat r runs a block of
-timed steps of every mode before repeat r+1 starts, so slow drifts of a noisy machine hit
-all modes alike. Reported per sequence length and mode: median step time with its spread
-(min-max over blocks of their medians), TSP with its weight-stream overlap off (the
+CPU, NCCL/RCCL under torchrun on GPUs) with the same attention op
+(:func:`megatron_tsp.kernels.block_attention`; never TransformerEngine's, which only the
+baselines could use), and every step gets a fresh batch: step n of every mode trains on the
+same tokens. Modes are interleaved: repeat r runs a block of timed steps of every mode
+before repeat r+1 starts, so slow drifts of a noisy machine hit all modes alike.
+
+Like with like is checked, not assumed: each block's first step (the fresh model on the
+first batch) must give the same loss in every mode, to fp32 noise, or no result is written.
+Reported per sequence length and mode: median step time with its spread (min-max over
+blocks of their medians), TSP with its overlap off (weight streams and K/V exchange; the
 difference is the communication the overlap hides), bytes received per rank per step
-(counted), peak memory of rank 0 (tracked, in a separate untimed step), and ratios to TP+SP.
+(counted), peak memory of rank 0 (tracked, in a separate untimed step), ratios to TP+SP
+and to TP x CP, and the first sequence length at which TSP beats TP+SP.
 """
 
 from __future__ import annotations
@@ -24,6 +31,11 @@ from megatron_tsp import config as cfg
 from megatron_tsp.env import run_record
 
 BENCH_MODES = ("tsp", "tsp-no-overlap", "tp-sp", "tp-cp")
+LOSS_RTOL = 1e-4  # step-1 losses of a fresh fp32 model differ by reduction order only (~1e-7)
+
+
+class ModesDisagree(RuntimeError):
+    """The modes did not compute the same first-step loss: the comparison would be invalid."""
 
 
 def _values_for(values: Dict, mode: str, seq: int) -> Dict:
@@ -34,28 +46,24 @@ def _values_for(values: Dict, mode: str, seq: int) -> Dict:
 
 
 def _block(values: Dict, mode: str, seq: int, steps: int, warmup: int) -> Dict:
-    """On every rank: build the model for ``mode`` and time ``steps`` training steps."""
+    """On every rank: build the model for ``mode``; its first step's loss, then ``warmup``
+    more untimed steps, one counted step and ``steps`` timed steps, each on a new batch."""
     from megatron_tsp import instrument, training
+    from megatron_tsp.data import random_batch
     from megatron_tsp.train import batch_transform, build, initialize
 
     args = cfg.resolve(_values_for(values, mode, seq))
     initialize(args)
-    _, model, optimizer = build(args)
-    if mode == "tsp-no-overlap":
-        for module in model[0].modules():
-            if hasattr(module, "overlap_comm"):
-                module.overlap_comm = False
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, args.vocab_size, (args.micro_batch_size, seq + 1), generator=g)
-    batch = {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
-             "loss_mask": torch.ones(args.micro_batch_size, seq),
-             "position_ids": torch.arange(seq).unsqueeze(0).expand(args.micro_batch_size, -1).contiguous(),
-             "attention_mask": None}
+    _, model, optimizer = build(args, overlap_comm=mode != "tsp-no-overlap", transformer_engine=False)
     transform = batch_transform(args)
+    device = torch.cuda.current_device() if torch.cuda.is_available() else None
+    batches = iter(range(10**9))
 
     def step():
+        batch = random_batch(args.micro_batch_size, seq, args.vocab_size, seed=next(batches), device=device)
         return training.train_step(model, optimizer, [batch], 1, seq, args.micro_batch_size, transform)
 
+    first_loss = step()["loss"]
     for _ in range(warmup):
         step()
     with instrument.count_collectives() as records:
@@ -70,13 +78,23 @@ def _block(values: Dict, mode: str, seq: int, steps: int, warmup: int) -> Dict:
         dist.barrier()
         times.append(time.perf_counter() - t0)
     received = sum(v for phases in instrument.totals(records).values() for v in phases.values())
-    return {"step_s": times, "bytes_received": received}
+    return {"step_s": times, "bytes_received": received, "first_step_loss": first_loss}
 
 
 def _memory(values: Dict, mode: str, seq: int) -> float:
     from megatron_tsp import memory
 
     return memory.measure(_values_for(values, mode, seq), "tsp" if mode.startswith("tsp") else mode)["peak_gib"]
+
+
+def check_same_loss(first_losses: Dict[str, List[float]], seq: int) -> None:
+    """Raise :class:`ModesDisagree` unless every block of every mode had the same step-1 loss."""
+    values = [(mode, loss) for mode, losses in first_losses.items() for loss in losses]
+    ref_mode, ref = values[0]
+    for mode, loss in values:
+        if abs(loss - ref) > LOSS_RTOL * abs(ref):
+            raise ModesDisagree(f"S={seq}: mode {mode} computes first-step loss {loss:.6f}, {ref_mode} {ref:.6f}; "
+                                "the modes do not train the same model on the same data, so no result is written")
 
 
 def run(config_path: str, seqs: List[int], modes: List[str], repeats: int, steps: int, warmup: int,
@@ -87,30 +105,45 @@ def run(config_path: str, seqs: List[int], modes: List[str], repeats: int, steps
               "warmup": warmup, "results": {}}
     for seq in seqs:
         blocks = {mode: [] for mode in modes}
+        first_losses = {mode: [] for mode in modes}
         bytes_moved = {}
         for _ in range(repeats):
             for mode in modes:  # interleaved
                 out = runner(_block, values, mode, seq, steps, warmup)[0]
                 blocks[mode].append(statistics.median(out["step_s"]))
+                first_losses[mode].append(out["first_step_loss"])
                 bytes_moved[mode] = out["bytes_received"]
+        check_same_loss(first_losses, seq)
         entry = {}
         for mode in modes:
             meds = blocks[mode]
             entry[mode] = {"step_s_median": statistics.median(meds), "step_s_min": min(meds),
                            "step_s_max": max(meds), "block_medians": meds,
+                           "first_step_loss": first_losses[mode][0],
                            "bytes_received_per_step": bytes_moved[mode],
                            "peak_gib": runner(_memory, values, mode, seq)[0]}
-        base = entry.get("tp-sp")
-        for mode in modes:
-            if base:
-                entry[mode]["vs_tp_sp"] = entry[mode]["step_s_median"] / base["step_s_median"]
+        for base in ("tp-sp", "tp-cp"):
+            if base in entry:
+                for mode in modes:
+                    entry[mode][f"vs_{base.replace('-', '_')}"] = (entry[mode]["step_s_median"]
+                                                                   / entry[base]["step_s_median"])
         if "tsp" in entry and "tsp-no-overlap" in entry:
             entry["tsp"]["hidden_comm_s"] = entry["tsp-no-overlap"]["step_s_median"] - entry["tsp"]["step_s_median"]
         result["results"][seq] = entry
-    tsp_wins = [s for s in seqs if "tsp" in result["results"][s] and "tp-sp" in result["results"][s]
-                and result["results"][s]["tsp"]["step_s_median"] < result["results"][s]["tp-sp"]["step_s_median"]]
-    result["crossover_seq_length"] = tsp_wins[0] if tsp_wins else None
+    result["crossover_seq_length"] = crossover(result["results"])
     return result
+
+
+def crossover(results: Dict) -> int:
+    """The shortest measured length from which on TSP's median step is at most TP+SP's
+    (None if TSP is slower at the longest length)."""
+    seqs = [s for s in results if "tsp" in results[s] and "tp-sp" in results[s]]
+    found = None
+    for s in sorted(seqs, key=int, reverse=True):
+        if results[s]["tsp"]["step_s_median"] > results[s]["tp-sp"]["step_s_median"]:
+            break
+        found = s
+    return found
 
 
 def table(result: Dict) -> str:
@@ -118,15 +151,17 @@ def table(result: Dict) -> str:
     lines = [f"Benchmark {s['date']}: {s['config']}, {s['ranks']} rank(s) on {s['device']} ({s['backend']}), "
              f"torch {s['torch']}, megatron-core {s['megatron-core']}, commit {str(s['commit'])[:10]}; "
              f"{result['repeats']} interleaved blocks of {result['steps']} steps (after {result['warmup']} warm-up)",
-             "", "| S | mode | step ms (median) | min-max of block medians | vs TP+SP | MiB received/step | peak MiB |",
-             "|---|---|---|---|---|---|---|"]
+             "", "| S | mode | step ms (median) | min-max of block medians | vs TP+SP | vs TP x CP | "
+             "step-1 loss | MiB received/step | peak MiB |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for seq, entry in result["results"].items():
         for mode, r in entry.items():
-            vs = f"{r['vs_tp_sp']:.2f}x" if "vs_tp_sp" in r else "-"
+            vs = " | ".join(f"{r[k]:.2f}x" if k in r else "-" for k in ("vs_tp_sp", "vs_tp_cp"))
             lines.append(f"| {seq} | {mode} | {1e3 * r['step_s_median']:.1f} | {1e3 * r['step_s_min']:.1f}-"
-                         f"{1e3 * r['step_s_max']:.1f} | {vs} | {r['bytes_received_per_step'] / 2**20:.2f} | "
-                         f"{r['peak_gib'] * 1024:.1f} |")
-    lines.append(f"\nTSP faster than TP+SP from S = {result['crossover_seq_length']} (None: not in this sweep)")
+                         f"{1e3 * r['step_s_max']:.1f} | {vs} | {r['first_step_loss']:.6f} | "
+                         f"{r['bytes_received_per_step'] / 2**20:.2f} | {r['peak_gib'] * 1024:.1f} |")
+    lines.append(f"\nTSP at least as fast as TP+SP from S = {result['crossover_seq_length']} on "
+                 "(None: not at the longest length measured)")
     return "\n".join(lines)
 
 

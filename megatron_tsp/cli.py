@@ -148,22 +148,25 @@ def _cmd_bench(ns: argparse.Namespace) -> int:
     path = ns.config or os.path.join(os.path.dirname(default_config_path()), "bench-cpu.yaml")
     seqs = [int(x) for x in ns.seq.split(",")]
     modes = [m.strip() for m in ns.modes.split(",") if m.strip()]
-    if _under_torchrun():  # every rank runs here
-        import torch.distributed as dist
-
-        _init_torchrun()
-        result = bench.run(path, seqs, modes, ns.repeats, ns.steps, ns.warmup,
-                           lambda fn, *a: [fn(*a)], dist.get_world_size())
-        if dist.get_rank() == 0:
-            print(bench.table(result))
-            bench.write(result, ns.out, ns.name)
-        return 0
-    pool = launch.WorkerPool(ns.nproc)
     try:
-        result = bench.run(path, seqs, modes, ns.repeats, ns.steps, ns.warmup,
-                           lambda fn, *a: pool.run(fn, *a, timeout_s=ns.timeout_s), ns.nproc)
-    finally:
-        pool.close()
+        if _under_torchrun():  # every rank runs here
+            import torch.distributed as dist
+
+            _init_torchrun()
+            result = bench.run(path, seqs, modes, ns.repeats, ns.steps, ns.warmup,
+                               lambda fn, *a: [fn(*a)], dist.get_world_size())
+            if dist.get_rank() != 0:
+                return 0
+        else:
+            pool = launch.WorkerPool(ns.nproc)
+            try:
+                result = bench.run(path, seqs, modes, ns.repeats, ns.steps, ns.warmup,
+                                   lambda fn, *a: pool.run(fn, *a, timeout_s=ns.timeout_s), ns.nproc)
+            finally:
+                pool.close()
+    except bench.ModesDisagree as exc:
+        print(f"megatron-tsp bench: error: {exc}", file=sys.stderr)
+        return 1
     print(bench.table(result))
     print("wrote", ", ".join(bench.write(result, ns.out, ns.name)))
     return 0

@@ -86,7 +86,7 @@ ARGUMENTS: Dict[str, Arg] = {
     "split": Arg(str, "99,1,0", "train,valid,test split"),
     "tokenizer_type": Arg(str, "NullTokenizer", "tokenizer"),
     "vocab_size": Arg(int, None, "vocabulary size (NullTokenizer)"),
-    "make_vocab_size_divisible_by": Arg(int, 128, "pad the vocabulary to a multiple of this x TP"),
+    "make_vocab_size_divisible_by": Arg(int, 128, "pad the vocabulary to a multiple of this (and of the TP/TSP size)"),
     # checkpoints
     "save": Arg(str, None, "checkpoint directory to save to"),
     "load": Arg(str, None, "checkpoint directory to resume from"),

@@ -9,6 +9,7 @@ Megatron's order: iteration i, micro-batch m, data-parallel rank r reads samples
 
 from __future__ import annotations
 
+import math
 import os
 import random
 from typing import Dict, List
@@ -68,13 +69,16 @@ def tokenizer_for(args) -> NullTokenizer:
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel: int) -> int:
-    """Megatron-LM's padding of the vocabulary (so that it splits over TP/TSP ranks)."""
-    multiple = divisible_by * tensor_parallel
+    """The vocabulary padded to a multiple of ``divisible_by`` that splits over the TP/TSP
+    ranks: lcm(divisible_by, tensor_parallel), not Megatron-LM's ``divisible_by x TP``, so
+    that the model (its padded logits take part in the softmax) is the same at every TSP or
+    TP size, and a checkpoint or a comparison across sizes is of the same model."""
+    multiple = math.lcm(divisible_by, tensor_parallel)
     return ((vocab_size + multiple - 1) // multiple) * multiple
 
 
 def padded_vocab(args) -> int:
-    """The run's vocabulary, padded to split over its TSP or TP ranks."""
+    """The run's vocabulary, padded (see :func:`padded_vocab_size`)."""
     return padded_vocab_size(tokenizer_for(args).vocab_size, args.make_vocab_size_divisible_by,
                              args.tsp_size * args.tensor_model_parallel_size)
 
@@ -116,3 +120,19 @@ def microbatches(dataset, iteration: int, num_microbatches: int, micro_batch_siz
         out.append(batch)
     return out
 
+
+
+def random_batch(micro_batch_size: int, seq_length: int, vocab_size: int, seed: int,
+                 device=None) -> Dict[str, torch.Tensor]:
+    """A new micro-batch of uniformly random tokens (benchmarks, the planner, the GPU check).
+
+    Every call returns new tensors: megatron's ``get_batch_on_this_cp_rank`` slices the dict it
+    is given in place, so a batch must never be fed twice. The same ``seed`` gives the same
+    tokens, so that every mode of a comparison sees the same data.
+    """
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab_size, (micro_batch_size, seq_length + 1), generator=g).to(device)
+    return {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
+            "loss_mask": torch.ones(micro_batch_size, seq_length, device=device),
+            "position_ids": torch.arange(seq_length, device=device).unsqueeze(0).expand(micro_batch_size, -1).contiguous(),
+            "attention_mask": None}

@@ -26,6 +26,7 @@ def check_mode(values: Dict, mode: str, steps: int) -> Dict:
     import megatron_tsp
 
     from megatron_tsp import memory, training
+    from megatron_tsp.data import random_batch
     from megatron_tsp.train import batch_transform, build, initialize
 
     planned = memory.plan(dict(values), mode)
@@ -34,13 +35,13 @@ def check_mode(values: Dict, mode: str, steps: int) -> Dict:
     with memory._fake_world(model_parallel):
         initialize(args, create_gloo_process_groups=False)
         try:
-            _, model, optimizer = build(args, clip_grad=0.0, use_gloo_process_groups=False)
-            device = torch.cuda.current_device() if on_gpu else "cpu"
-            tokens = torch.randint(0, args.vocab_size, (args.micro_batch_size, args.seq_length), device=device)
-            batch = {"tokens": tokens, "labels": tokens, "loss_mask": torch.ones(tokens.shape, device=device),
-                     "position_ids": torch.arange(args.seq_length, device=device).unsqueeze(0), "attention_mask": None}
+            _, model, optimizer = build(args, clip_grad=0.0, use_gloo_process_groups=False,
+                                        transformer_engine=False)
+            device = torch.cuda.current_device() if on_gpu else None
+            seeds = iter(range(10**9))
 
-            def step():
+            def step():  # a new batch every step (the CP transform slices it in place)
+                batch = random_batch(args.micro_batch_size, args.seq_length, args.vocab_size, next(seeds), device)
                 training.train_step(model, optimizer, [batch], 1, args.seq_length, args.micro_batch_size,
                                     batch_transform(args))
 

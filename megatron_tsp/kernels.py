@@ -1,138 +1,326 @@
-"""A causal attention op with the memory behaviour of a flash kernel.
+"""Causal attention of zigzag query chunks as blocks merged by log-sum-exp (DESIGN.md s. 2).
 
-``flash_attention(q, k, v, scale)``: queries ``[b, h, sq, d]`` sitting at the *end* of
-``sk`` keys (causal mask aligned lower right: query i sees keys ``0 .. sk - sq + i``).
-It is a registered torch op whose real implementation is torch's SDPA, and whose fake
-(meta) implementation allocates what a flash kernel allocates: the output, and in
-backward dq, dk, dv, with q, k, v and the output saved in between; never the ``sq x sk``
-score matrix. The memory planner runs models under ``FakeTensorMode`` on this op, so that
-TSP and its baselines are compared with the same memory-efficient attention, and
-``FlopCounterMode`` counts it with :func:`attention_flops`.
+One op serves TSP and every baseline, so that a comparison is of parallelism, not of
+kernels. ``block_attention(q, k, v, chunk_ids, scale, backend)``: ``q`` holds ``n`` equal
+query chunks of length ``c``; chunk ``i`` sits at global chunk ``g = chunk_ids[i]`` of the
+keys ``k``, ``v`` (global order). Chunk i attends to
+
+    a *full* block    keys [0, g·c)          no mask            (absent when g = 0)
+    a *causal* block  keys [g·c, (g+1)·c)    square, causal
+
+each through the device's flash kernel, which returns the block's output ``o_j`` and
+log-sum-exp ``l_j``; the blocks merge exactly as
+
+    lse = log(sum_j exp(l_j)),      out = sum_j exp(l_j - lse) · o_j.
+
+Plain causal attention of a whole sequence is ``chunk_ids = [0]``; a zigzag rank r of D holds
+``chunk_ids = [r, 2D-1-r]``. The op saves ``(q, k, v, out, lse)``; its backward calls each
+block's kernel backward with the *merged* ``out`` and ``lse`` (then every block's softmax is
+already the global one: ``P_j = exp(S_j - lse)``) and sums dQ over blocks: the forward
+never runs again. No ``sq x sk`` tensor exists outside a kernel, and the fake kernels the
+memory planner runs allocate what the real ones do: out and lse; dq, dk and dv.
+
+Backends, chosen once per module (:func:`select_backend`), all with GQA (fewer k/v heads):
+
+* ``cpu``: aten's ``_scaled_dot_product_flash_attention_for_cpu`` and its backward;
+* ``flash_attn``: the flash-attn package's ``_flash_attn_forward/_flash_attn_backward``;
+* ``aten``: on CUDA or ROCm, torch's flash kernel (fp16/bf16) or memory-efficient kernel
+  (fp32), the ones ``scaled_dot_product_attention`` dispatches to;
+* ``math``: a plain reference (fp32 scores, one block at a time), for tests.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+import inspect
+from functools import lru_cache
+from typing import List, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import register_flop_formula
 
+BACKENDS = ("auto", "cpu", "flash_attn", "aten", "math")
 
-def _sdpa(q, k, v, scale: float):
-    from torch.nn.attention.bias import causal_lower_right
-
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q.size(2), k.size(2)), scale=scale)
+Block = Tuple[int, int, int, bool]  # query chunk, first key, end key, causal
 
 
-@torch.library.custom_op("megatron_tsp::flash_attention", mutates_args=())
-def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    return _sdpa(q, k, v, scale)
+def blocks(chunk_ids: Sequence[int], chunk: int) -> List[Block]:
+    """The kernel calls of a rank's query chunks, in the order the op issues them."""
+    out = []
+    for i, g in enumerate(chunk_ids):
+        if g > 0:
+            out.append((i, 0, g * chunk, False))
+        out.append((i, g * chunk, (g + 1) * chunk, True))
+    return out
 
 
-@flash_attention.register_fake
-def _(q, k, v, scale):
-    return torch.empty_like(q)
+# ---- backends: one block, [b, h, s, d] in, (out, lse [b, h, sq] fp32) out ---------------------
+def _repeat_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
+    return t if t.size(1) == heads else t.repeat_interleave(heads // t.size(1), dim=1)
 
 
-@torch.library.custom_op("megatron_tsp::flash_attention_backward", mutates_args=())
-def flash_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                             scale: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    # Explicit softmax-attention gradients (an op body runs below autograd). The reference
-    # implementation materialises the scores; its fake kernel is what the planner measures.
-    sq, sk = q.size(2), k.size(2)
-    visible = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(diagonal=sk - sq)
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    p = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
-    dout = dout.float()
-    dv = torch.matmul(p.transpose(-1, -2), dout)
-    dp = torch.matmul(dout, v.float().transpose(-1, -2))
-    ds = p * (dp - (dp * p).sum(dim=-1, keepdim=True)) * scale
-    dq = torch.matmul(ds, k.float())
-    dk = torch.matmul(ds.transpose(-1, -2), q.float())
+def _sum_kv(t: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    return t if t.size(1) == kv_heads else t.unflatten(1, (kv_heads, -1)).sum(2)
+
+
+class _Math:
+    """Softmax attention written out (fp32 scores), the reference the kernels are tested on."""
+
+    @staticmethod
+    def _probs(q, k, causal, scale):
+        s = torch.matmul(q.float(), _repeat_kv(k, q.size(1)).float().transpose(-1, -2)) * scale
+        if causal:
+            s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+        return s
+
+    @classmethod
+    def forward(cls, q, k, v, causal, scale):
+        s = cls._probs(q, k, causal, scale)
+        lse = torch.logsumexp(s, dim=-1)
+        out = torch.matmul(torch.exp(s - lse.unsqueeze(-1)), _repeat_kv(v, q.size(1)).float())
+        return out.to(q.dtype), lse
+
+    @classmethod
+    def backward(cls, dout, q, k, v, out, lse, causal, scale):
+        p = torch.exp(cls._probs(q, k, causal, scale) - lse.unsqueeze(-1))
+        dout = dout.float()
+        dv = torch.matmul(p.transpose(-1, -2), dout)
+        dp = torch.matmul(dout, _repeat_kv(v, q.size(1)).float().transpose(-1, -2))
+        ds = p * (dp - (dout * out.float()).sum(-1, keepdim=True)) * scale
+        dq = torch.matmul(ds, _repeat_kv(k, q.size(1)).float())
+        dk = torch.matmul(ds.transpose(-1, -2), q.float())
+        return dq.to(q.dtype), _sum_kv(dk, k.size(1)).to(k.dtype), _sum_kv(dv, v.size(1)).to(v.dtype)
+
+
+class _CPU:
+    """aten's CPU flash kernel (takes GQA as it is)."""
+
+    @staticmethod
+    def forward(q, k, v, causal, scale):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+
+    @staticmethod
+    def backward(dout, q, k, v, out, lse, causal, scale):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, causal, scale=scale)
+
+
+class _Aten:
+    """torch's CUDA/ROCm kernels: flash for fp16/bf16, memory-efficient for fp32. Neither
+    takes GQA here, so k/v heads are repeated and their gradients summed back."""
+
+    @staticmethod
+    def forward(q, k, v, causal, scale):
+        k, v = _repeat_kv(k, q.size(1)), _repeat_kv(v, q.size(1))
+        if q.dtype in (torch.float16, torch.bfloat16):
+            out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False,
+                                                                              scale=scale)
+        else:
+            out, lse, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal,
+                                                                                  scale=scale)
+        return out, lse[..., : q.size(2)]  # the efficient kernel pads lse to a multiple of 32
+
+    @staticmethod
+    def backward(dout, q, k, v, out, lse, causal, scale):
+        kr, vr = _repeat_kv(k, q.size(1)), _repeat_kv(v, q.size(1))
+        empty = torch.empty(0, dtype=torch.long, device=q.device)
+        if q.dtype in (torch.float16, torch.bfloat16):
+            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+                dout, q, kr, vr, out, lse, empty, empty, q.size(2), kr.size(2), 0.0, causal, empty, empty,
+                scale=scale)
+        else:
+            lse = F.pad(lse, (0, -q.size(2) % 32)).contiguous()
+            dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+                dout, q, kr, vr, None, out, lse, empty, empty, 0.0, [True, True, True, False], causal,
+                scale=scale)
+        return dq, _sum_kv(dk, k.size(1)), _sum_kv(dv, v.size(1))
+
+
+class _FlashAttn:
+    """The flash-attn package ([b, s, h, d] layout; GQA native). Its private entry points
+    changed their keywords across 2.x releases: arguments are matched by name."""
+
+    @staticmethod
+    @lru_cache(maxsize=None)
+    def _functions():
+        from flash_attn.flash_attn_interface import _flash_attn_backward, _flash_attn_forward
+
+        def options(fn):
+            params = inspect.signature(fn).parameters
+            opts = {"alibi_slopes": None}
+            if "window_size" in params:
+                opts["window_size"] = (-1, -1)
+            else:
+                opts.update(window_size_left=-1, window_size_right=-1)
+            if "softcap" in params:
+                opts["softcap"] = 0.0
+            return opts
+
+        return _flash_attn_forward, options(_flash_attn_forward), _flash_attn_backward, options(_flash_attn_backward)
+
+    @classmethod
+    def forward(cls, q, k, v, causal, scale):
+        fwd, opts, _, _ = cls._functions()
+        ret = fwd(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dropout_p=0.0, softmax_scale=scale,
+                  causal=causal, return_softmax=False, **opts)
+        out, lse = (ret[0], ret[5]) if len(ret) == 8 else (ret[0], ret[1])  # before 2.6: 8 values
+        return out.transpose(1, 2), lse
+
+    @classmethod
+    def backward(cls, dout, q, k, v, out, lse, causal, scale):
+        _, _, bwd, opts = cls._functions()
+        q, k, v, out, dout = (t.transpose(1, 2) for t in (q, k, v, out, dout))
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        bwd(dout.contiguous(), q, k, v, out, lse, dq, dk, dv, dropout_p=0.0, softmax_scale=scale, causal=causal,
+            deterministic=False, rng_state=None, **opts)
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+
+_BACKENDS = {"cpu": _CPU, "aten": _Aten, "flash_attn": _FlashAttn, "math": _Math}
+
+
+def _flash_attn_installed() -> bool:
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def select_backend(name: str, device: str = None) -> str:
+    """``auto``: flash-attn on a GPU when it is installed, else torch's GPU kernels; aten's
+    CPU flash kernel without a GPU."""
+    if name not in BACKENDS:
+        raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)} (got {name!r})")
+    if name == "auto":
+        if not torch.cuda.is_available():
+            return "cpu"
+        return "flash_attn" if _flash_attn_installed() else "aten"
+    if name == "flash_attn" and not _flash_attn_installed():
+        raise ValueError("attention_backend 'flash_attn' needs the flash-attn package; install it or use 'auto'")
+    return name
+
+
+# ---- the op -----------------------------------------------------------------------------------
+@torch.library.custom_op("megatron_tsp::block_attention", mutates_args=())
+def _block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_ids: List[int], scale: float,
+                     backend: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    kernel = _BACKENDS[backend]
+    chunk = q.size(2) // len(chunk_ids)
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    for i in range(len(chunk_ids)):
+        rows = slice(i * chunk, (i + 1) * chunk)
+        acc = acc_lse = None
+        for _, k0, k1, causal in (b for b in blocks(chunk_ids, chunk) if b[0] == i):
+            o, l = kernel.forward(q[:, :, rows], k[:, :, k0:k1], v[:, :, k0:k1], causal, scale)
+            if acc is None:
+                acc, acc_lse = o.float(), l
+            else:  # exact merge of two softmax blocks (ring-flash-attention's update_out_and_lse)
+                new_lse = torch.logaddexp(acc_lse, l)
+                acc = acc * torch.exp(acc_lse - new_lse).unsqueeze(-1) + o.float() * torch.exp(l - new_lse).unsqueeze(-1)
+                acc_lse = new_lse
+        out[:, :, rows] = acc
+        lse[:, :, rows] = acc_lse
+    return out, lse
+
+
+@_block_attention.register_fake
+def _(q, k, v, chunk_ids, scale, backend):
+    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@torch.library.custom_op("megatron_tsp::block_attention_backward", mutates_args=())
+def _block_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                              out: torch.Tensor, lse: torch.Tensor, chunk_ids: List[int], scale: float,
+                              backend: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    kernel = _BACKENDS[backend]
+    chunk = q.size(2) // len(chunk_ids)
+    dq = torch.zeros_like(q, dtype=torch.float32)
+    dk = torch.zeros_like(k, dtype=torch.float32)
+    dv = torch.zeros_like(v, dtype=torch.float32)
+    for i, k0, k1, causal in blocks(chunk_ids, chunk):
+        rows = slice(i * chunk, (i + 1) * chunk)
+        g = kernel.backward(dout[:, :, rows].contiguous(), q[:, :, rows], k[:, :, k0:k1], v[:, :, k0:k1],
+                            out[:, :, rows], lse[:, :, rows].contiguous(), causal, scale)
+        dq[:, :, rows] += g[0]
+        dk[:, :, k0:k1] += g[1]
+        dv[:, :, k0:k1] += g[2]
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-@flash_attention_backward.register_fake
-def _(dout, q, k, v, scale):
+@_block_attention_backward.register_fake
+def _(dout, q, k, v, out, lse, chunk_ids, scale, backend):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, scale = inputs
-    ctx.save_for_backward(q, k, v, output)  # what flash saves (its log-sum-exp is O(sq))
-    ctx.scale = scale
+    q, k, v, chunk_ids, scale, backend = inputs
+    out, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.args = (chunk_ids, scale, backend)
 
 
-def _backward(ctx, dout):
-    q, k, v, _ = ctx.saved_tensors
-    dq, dk, dv = flash_attention_backward(dout.contiguous(), q, k, v, ctx.scale)
-    return dq, dk, dv, None
+def _backward(ctx, dout, _dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = _block_attention_backward(dout.contiguous(), q, k, v, out, lse, *ctx.args)
+    return dq, dk, dv, None, None, None
 
 
-flash_attention.register_autograd(_backward, setup_context=_setup_context)
+_block_attention.register_autograd(_backward, setup_context=_setup_context)
 
 
-def attention_flops(q_shape, k_shape) -> int:
-    """FLOPs of causal (lower-right) attention forward: QK^T and PV over visible pairs."""
+def visible_pairs(chunk_ids: Sequence[int], chunk: int) -> int:
+    """(query, key) pairs the blocks compute: c·g·c per full block, c(c+1)/2 per causal one."""
+    return sum(chunk * (k1 - k0) if not causal else chunk * (chunk + 1) // 2
+               for _, k0, k1, causal in blocks(chunk_ids, chunk))
+
+
+def _forward_flops(q_shape, chunk_ids) -> int:
     b, h, sq, d = q_shape
-    sk = k_shape[2]
-    pairs = sq * (sk - sq) + sq * (sq + 1) // 2
-    return 2 * 2 * b * h * pairs * d
+    return 2 * 2 * b * h * d * visible_pairs(chunk_ids, sq // len(chunk_ids))  # QK^T and PV
 
 
-@register_flop_formula(torch.ops.megatron_tsp.flash_attention)
-def _flops(q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs) -> int:
-    return attention_flops(q_shape, k_shape)
+@register_flop_formula(torch.ops.megatron_tsp.block_attention)
+def _flops(q_shape, k_shape, v_shape, chunk_ids, *args, out_shape=None, **kwargs) -> int:
+    return _forward_flops(q_shape, chunk_ids)
 
 
-@register_flop_formula(torch.ops.megatron_tsp.flash_attention_backward)
-def _flops_backward(dout_shape, q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs) -> int:
+@register_flop_formula(torch.ops.megatron_tsp.block_attention_backward)
+def _flops_backward(dout_shape, q_shape, k_shape, v_shape, out_shape_, lse_shape, chunk_ids, *args,
+                    out_shape=None, **kwargs) -> int:
     # a flash backward recomputes QK^T and computes dV, dP, dQ, dK: 5 GEMMs to forward's 2
-    return attention_flops(q_shape, k_shape) * 5 // 2
+    return _forward_flops(q_shape, chunk_ids) * 5 // 2
 
 
-ATTENTION_BACKENDS = ("auto", "sdpa", "flash_attn", "flash_op")
-
-
-def select_backend(name: str) -> str:
-    """``sdpa``: torch SDPA (flash/efficient kernels on GPU); ``flash_attn``: the flash-attn
-    package; ``flash_op``: :func:`flash_attention` (the memory planner's); ``auto``:
-    flash-attn on a GPU when it is installed, else SDPA."""
-    if name not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS} (got {name!r})")
-    if name == "auto":
-        return "flash_attn" if torch.cuda.is_available() and _flash_attn_func() is not None else "sdpa"
-    if name == "flash_attn" and _flash_attn_func() is None:
-        raise ValueError("attention_backend='flash_attn' needs the flash-attn package; install it or use 'sdpa'")
-    return name
-
-
-def _flash_attn_func() -> Optional[object]:
-    try:
-        from flash_attn import flash_attn_func
-    except ImportError:
-        return None
-    return flash_attn_func
-
-
-def causal_attention(query, keys, values, scale: float, backend: str = "sdpa") -> torch.Tensor:
-    """Attention of ``sq`` queries that sit at the *end* of ``sk`` keys (causal, lower right).
-
-    query ``[sq, b, hq, d]``, keys/values ``[sk, b, hk, d]`` with hq a multiple of hk (GQA);
-    query i sees keys ``0 .. sk - sq + i``. Returns ``[sq, b, hq, d]``.
-    """
-    if backend == "flash_attn":
-        # flash-attn's causal mask is lower-right aligned and it handles GQA itself.
-        out = _flash_attn_func()(query.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
-                                 softmax_scale=scale, causal=True)
-        return out.transpose(0, 1)
-    q = query.permute(1, 2, 0, 3)
-    k = keys.permute(1, 2, 0, 3)
-    v = values.permute(1, 2, 0, 3)
-    if k.size(1) != q.size(1):
-        repeat = q.size(1) // k.size(1)
-        k = k.repeat_interleave(repeat, dim=1)
-        v = v.repeat_interleave(repeat, dim=1)
-    out = flash_attention(q, k, v, scale) if backend == "flash_op" else _sdpa(q, k, v, scale)
+def block_attention(query, keys, values, chunk_ids: Sequence[int], scale: float, backend: str) -> torch.Tensor:
+    """Megatron layout: query ``[sq, b, hq, d]`` (its chunks at ``chunk_ids``), keys/values
+    ``[sk, b, hk, d]`` in global order, hq a multiple of hk. Returns ``[sq, b, hq, d]``."""
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (query, keys, values))
+    out, _ = _block_attention(q, k, v, list(chunk_ids), float(scale), backend)
     return out.permute(2, 0, 1, 3)
+
+
+def causal_attention(query, keys, values, scale: float, backend: str) -> torch.Tensor:
+    """Causal attention of a whole sequence (``sq == sk``): one square causal block."""
+    return block_attention(query, keys, values, [0], scale, backend)
+
+
+def block_attention_forward(query, keys, values, chunk_ids: Sequence[int], scale: float, backend: str):
+    """:func:`block_attention` for a hand-written backward schedule (no autograd): returns
+    ``out [sq, b, hq, d]`` and ``lse [b, hq, sq]`` (fp32), what :func:`block_attention_backward`
+    needs besides the inputs."""
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (query, keys, values))
+    out, lse = torch.ops.megatron_tsp.block_attention(q, k, v, list(chunk_ids), float(scale), backend)
+    return out.permute(2, 0, 1, 3), lse
+
+
+def block_attention_backward(d_out, query, keys, values, out, lse, chunk_ids: Sequence[int], scale: float,
+                             backend: str):
+    """dq ``[sq, b, hq, d]``, dK, dV ``[sk, b, hk, d]`` from the saved forward: each block's
+    kernel backward with the merged lse; no attention forward runs."""
+    d_out, q, k, v, out = (t.permute(1, 2, 0, 3) for t in (d_out, query, keys, values, out))
+    grads = torch.ops.megatron_tsp.block_attention_backward(d_out.contiguous(), q, k, v, out, lse, list(chunk_ids),
+                                                           float(scale), backend)
+    return tuple(g.permute(2, 0, 1, 3) for g in grads)

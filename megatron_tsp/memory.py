@@ -33,16 +33,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from megatron_tsp import config as cfg
-from megatron_tsp import kernels  # noqa: F401  (registers the flash_attention op)
+from megatron_tsp import kernels  # noqa: F401  (registers the block_attention ops)
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "communication", "temporaries")
 MODES = ("tsp", "tp", "tp-sp", "tp-cp")
 GIB = 2**30
 
 
-_ATTENTION_OPS = {torch.ops.megatron_tsp.flash_attention, torch.ops.megatron_tsp.flash_attention_backward,
-                  torch.ops.aten._scaled_dot_product_flash_attention,
-                  torch.ops.aten._scaled_dot_product_efficient_attention}
+_ATTENTION_OPS = {torch.ops.megatron_tsp.block_attention, torch.ops.megatron_tsp.block_attention_backward}
 
 
 class StorageTracker(TorchDispatchMode):
@@ -243,7 +241,7 @@ def _optimizer_tensors(optimizer) -> List[torch.Tensor]:
 
 
 def plan(values: Dict, mode: str, world_size: Optional[int] = None, cp: int = 2,
-         attention_backend: str = "flash_op") -> Dict:
+         attention_backend: str = "auto") -> Dict:
     """Peak memory by category, FLOPs and communication of one training step of rank 0 of a
     ``world_size`` job (default: one replica), at full size, under FakeTensorMode."""
     args, model_parallel = _args(values, mode, cp)
@@ -252,7 +250,7 @@ def plan(values: Dict, mode: str, world_size: Optional[int] = None, cp: int = 2,
         return _run(args, world_size, StorageTracker(fake_scalars=True), attention_backend, fake=True)
 
 
-def measure(values: Dict, mode: str, cp: int = 2, attention_backend: str = "flash_op") -> Dict:
+def measure(values: Dict, mode: str, cp: int = 2, attention_backend: str = "auto") -> Dict:
     """The same step for real, on this rank of the current process group (the planner's
     check: with real tensors the tracker must see what it sees under FakeTensorMode)."""
     args, _ = _args(values, mode, cp)
@@ -306,7 +304,8 @@ def _step(args, tracker, attention_backend, fake: bool = True):
             stack.enter_context(ctx)
         # No gradient clipping: megatron's torch fallback for the norm reads values (scalars,
         # no memory to speak of). No gloo groups: the fake backend has no peers.
-        _, model, optimizer = build(args, attention_backend, clip_grad=0.0, use_gloo_process_groups=False)
+        _, model, optimizer = build(args, attention_backend, clip_grad=0.0, use_gloo_process_groups=False,
+                                    transformer_engine=False)
         _materialize_optimizer_states(optimizer)  # steady state: Adam moments exist
         chunk = model[0]
         grads = [b.grad_data for b in chunk.buffers + chunk.expert_parallel_buffers]
@@ -319,6 +318,7 @@ def _step(args, tracker, attention_backend, fake: bool = True):
         static = sum(tracker.live.values())
         tracker.reset_peak()
 
+        # token values do not exist under FakeTensorMode; only shapes matter
         tokens = torch.zeros(args.micro_batch_size, args.seq_length, dtype=torch.long)
         batch = {"tokens": tokens, "labels": tokens, "loss_mask": torch.ones(tokens.shape),
                  "position_ids": torch.zeros_like(tokens), "attention_mask": None}

@@ -9,15 +9,23 @@ Time of one micro-batch step on one rank:
 
     compute  = matmul FLOPs / (peak x matmul_efficiency) + attention FLOPs / (peak x attention_efficiency)
     comm[g]  = bytes[g] / bandwidth(g) + calls[g] x latency(g)      (intra- or inter-node link)
-    no overlap: compute + sum_g comm[g]
-    overlap:    max(compute, sum of overlappable comm) + sum of the rest
+    step     = max(compute, hidden) + exposed
 
-Overlappable traffic per mode: TSP's weight streams (broadcasts, ring sends, gradient
-reduces on the ``tsp_weight`` group) and the data-parallel gradient reduce; for TP and
-TP+SP also the tensor-parallel all-gathers/reduce-scatters (TransformerEngine's userbuffer
-overlap); for TP x CP also the context-parallel K/V exchange (ring attention). TSP's K/V
-all-gather stays exposed (it is not overlapped yet). Memory-bound elementwise work and the
-optimizer step are not modelled.
+where ``hidden`` is the traffic a mode overlaps with compute in the scenario and ``exposed``
+the rest. Traffic that can only hide behind attention (TSP's K/V exchange runs while the
+previous head group attends; the CP K/V exchange of TP x CP) is hidden up to the attention
+time and exposed beyond it. Scenarios (:data:`OVERLAPPED`):
+
+* ``overlap``: every mode hides what it can: TSP its weight streams and K/V exchange (built
+  into its layers), TP and TP+SP their tensor-parallel all-gathers/reduce-scatters
+  (TransformerEngine's userbuffer overlap, ``--tp-comm-overlap``), TP x CP also its CP
+  exchange (ring attention), all of them the data-parallel gradient reduce;
+* ``no_tp_overlap``: as above, but the baselines' tensor-parallel traffic is exposed, which
+  is megatron's default (``--tp-comm-overlap`` off, and the only choice without
+  TransformerEngine); TSP is unchanged: its overlap needs no TransformerEngine;
+* ``no_overlap``: nothing is hidden.
+
+Memory-bound elementwise work and the optimizer step are not modelled.
 """
 
 from __future__ import annotations
@@ -33,12 +41,16 @@ from megatron_tsp import flops as flops_formula
 from megatron_tsp.env import run_record
 
 INTRA_NODE_GROUPS = ("tp", "cp", "tsp_weight")
-OVERLAPPABLE = {
-    "tsp": ("tsp_weight", "dp", "dp_cp"),
-    "tp": ("tp", "dp", "dp_cp"),
-    "tp-sp": ("tp", "dp", "dp_cp"),
-    "tp-cp": ("tp", "cp", "dp", "dp_cp"),
+_DP = ("dp", "dp_cp")
+OVERLAPPED = {
+    "overlap": {"tsp": ("tsp_weight", "tp") + _DP, "tp": ("tp",) + _DP, "tp-sp": ("tp",) + _DP,
+                "tp-cp": ("tp", "cp") + _DP},
+    "no_tp_overlap": {"tsp": ("tsp_weight", "tp") + _DP, "tp": _DP, "tp-sp": _DP, "tp-cp": ("cp",) + _DP},
+    "no_overlap": {"tsp": (), "tp": (), "tp-sp": (), "tp-cp": ()},
 }
+SCENARIOS = tuple(OVERLAPPED)
+# groups whose traffic hides behind attention only: TSP's K/V exchange (on the TP slot), CP's
+BEHIND_ATTENTION = {"tsp": ("tp",), "tp-cp": ("cp",)}
 
 
 @dataclass(frozen=True)
@@ -96,13 +108,13 @@ def totals_for(counts: Dict, layers: int) -> Dict:
     return _axpy(counts["base"], counts["per_layer"], layers)
 
 
-def step_time(total: Dict, hw: Hardware, mode: str, overlap: bool, world_size: int,
+def step_time(total: Dict, hw: Hardware, mode: str, scenario: str, world_size: int,
               phases=("forward", "backward")) -> Dict:
-    """Seconds per micro-batch step of one rank, broken down."""
+    """Seconds per micro-batch step of one rank, broken down (``scenario``: :data:`SCENARIOS`)."""
     peak = hw.peak_tflops * 1e12
     attention = total["attention_flops"]
-    compute = (total["flops"] - attention) / (peak * hw.matmul_efficiency) + \
-        attention / (peak * hw.attention_efficiency)
+    attention_s = attention / (peak * hw.attention_efficiency)
+    compute = (total["flops"] - attention) / (peak * hw.matmul_efficiency) + attention_s
     multi_node = world_size > hw.gpus_per_node
     comm: Dict[str, float] = {}
     for group, by_phase in total["comm"].items():
@@ -117,9 +129,11 @@ def step_time(total: Dict, hw: Hardware, mode: str, overlap: bool, world_size: i
                 seconds += entry["bytes_received"] / bw + entry["calls"] * latency
         if seconds > 0:
             comm[group] = seconds
-    hidden = sum(t for g, t in comm.items() if overlap and g in OVERLAPPABLE[mode])
-    exposed = sum(t for g, t in comm.items() if not (overlap and g in OVERLAPPABLE[mode]))
-    step = (max(compute, hidden) if overlap else compute + hidden) + exposed
+    overlapped = OVERLAPPED[scenario][mode]
+    behind_attention = sum(t for g, t in comm.items() if g in overlapped and g in BEHIND_ATTENTION.get(mode, ()))
+    hidden = sum(t for g, t in comm.items() if g in overlapped) - behind_attention + min(behind_attention, attention_s)
+    exposed = sum(t for g, t in comm.items() if g not in overlapped) + max(0.0, behind_attention - attention_s)
+    step = max(compute, hidden) + exposed
     return {"compute_s": compute, "comm_s": comm, "exposed_comm_s": step - compute, "step_s": step}
 
 
@@ -142,8 +156,8 @@ def predict(config_path: str, hw: Hardware, nodes: int = 1, modes: List[str] = (
             sweep[seq] = {mode: _evaluate(v, mode, hw, world, cp, brief=True) for mode in ("tsp", "tp-sp")}
         results["sweep"] = sweep
         results["crossover_seq_length"] = {
-            key: next((s for s in seq_lengths if sweep[s]["tsp"][key]["step_s"] < sweep[s]["tp-sp"][key]["step_s"]), None)
-            for key in ("overlap", "no_overlap")
+            key: next((s for s in seq_lengths if sweep[s]["tsp"][key]["step_s"] <= sweep[s]["tp-sp"][key]["step_s"]), None)
+            for key in SCENARIOS
         }
     results["seq_length"] = base_seq
     return results
@@ -163,8 +177,8 @@ def _evaluate(values: Dict, mode: str, hw: Hardware, world: int, cp: int, brief:
     vocab = padded_vocab(args)
     model_flops = flops_formula.flops_per_sequence_from_args(args, vocab) * args.micro_batch_size
     out = {"parallel": d}
-    for key, overlap in (("overlap", True), ("no_overlap", False)):
-        t = step_time(total, hw, mode, overlap, world)
+    for key in SCENARIOS:
+        t = step_time(total, hw, mode, key, world)
         ranks = world // replicas
         t["tokens_per_s_cluster"] = replicas * tokens / t["step_s"]
         t["mfu"] = model_flops / (t["step_s"] * ranks * hw.peak_tflops * 1e12)
@@ -190,7 +204,7 @@ def _accountings(mode, hw, world, counts, args, replicas, full_step_s) -> Dict:
     def layer_time(fraction, phases):
         flops = layer_flops * fraction
         total = {"flops": flops, "attention_flops": flops * attn_share, "comm": per_layer["comm"]}
-        return step_time(total, hw, mode, True, world, phases=phases)["step_s"]
+        return step_time(total, hw, mode, "overlap", world, phases=phases)["step_s"]
 
     fwd_layer = layer_time(1.0 / 3.0, ("forward",))  # forward is a third of fwd+bwd
     return {
@@ -205,14 +219,16 @@ def table(result: Dict) -> str:
     hw = result["hardware"]["name"]
     lines = [f"{result['config']} on {result['nodes']} node(s) x {result['hardware']['gpus_per_node']} {hw}, "
              f"S={result['seq_length']} (one micro-batch step per rank)",
-             "| mode | overlap | step s | compute s | exposed comm s | cluster tokens/s | MFU |",
-             "|---|---|---|---|---|---|---|"]
+             "| mode | scenario | step s | compute s | exposed comm s | cluster tokens/s | MFU | vs TP+SP |",
+             "|---|---|---|---|---|---|---|---|"]
     for mode, r in result["modes"].items():
-        for key in ("overlap", "no_overlap"):
+        for key in SCENARIOS:
             t = r[key]
-            lines.append(f"| {mode} | {'on' if key == 'overlap' else 'off'} | {t['step_s']:.3f} | {t['compute_s']:.3f} | "
-                         f"{t['exposed_comm_s']:.3f} | {t['tokens_per_s_cluster']:.3g} | {t['mfu']:.1%} |")
+            base = result["modes"].get("tp-sp", {}).get(key)
+            vs = f"{t['tokens_per_s_cluster'] / base['tokens_per_s_cluster']:.2f}x" if base else "-"
+            lines.append(f"| {mode} | {key} | {t['step_s']:.3f} | {t['compute_s']:.3f} | "
+                         f"{t['exposed_comm_s']:.3f} | {t['tokens_per_s_cluster']:.3g} | {t['mfu']:.1%} | {vs} |")
     if "crossover_seq_length" in result:
-        lines.append(f"\nTSP overtakes TP+SP from S = {result['crossover_seq_length']['overlap']} with overlap, "
-                     f"{result['crossover_seq_length']['no_overlap']} without (swept {list(result['sweep'])})")
+        lines.append("\nTSP at least as fast as TP+SP from S = " + ", ".join(
+            f"{v} ({k})" for k, v in result["crossover_seq_length"].items()) + f" (swept {list(result['sweep'])})")
     return "\n".join(lines)

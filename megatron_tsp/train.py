@@ -76,15 +76,19 @@ def transformer_config(args) -> TransformerConfig:
     )
 
 
-def layer_spec(args, attention_backend: str = "auto", config: Optional[TransformerConfig] = None):
+def layer_spec(args, attention_backend: str = "auto", config: Optional[TransformerConfig] = None,
+               overlap_comm: bool = True, transformer_engine: bool = True):
     """TSP block spec for --tsp-size > 1 (its final norm accepts sequence parallelism where
-    megatron's torch norm would not); else megatron's TransformerEngine spec where TE runs,
-    else the local spec with a memory-efficient core attention (baselines.py)."""
+    megatron's torch norm would not); else megatron's TransformerEngine spec where TE runs
+    and ``transformer_engine`` allows it, else the local spec with the attention op TSP uses
+    (baselines.py). Comparisons (benchmark, planner, GPU check) pass ``transformer_engine=False``
+    so that every mode runs the same attention kernels."""
     if args.tsp_size > 1:
         return megatron_tsp.get_gpt_block_tsp_spec(config or transformer_config(args),
                                                    qk_layernorm=args.qk_layernorm,
-                                                   attention_backend=attention_backend)
-    if torch.cuda.is_available() and transformer_engine_version() is not None:
+                                                   attention_backend=attention_backend,
+                                                   overlap_comm=overlap_comm)
+    if transformer_engine and torch.cuda.is_available() and transformer_engine_version() is not None:
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_layernorm)
     return get_gpt_layer_baseline_spec(qk_layernorm=args.qk_layernorm, normalization=args.normalization,
                                        attention_backend=attention_backend)
@@ -164,11 +168,12 @@ def initialize(args, seed: bool = True, **megatron_kwargs) -> None:
 
 
 def build(args, attention_backend: str = "auto", clip_grad: Optional[float] = None,
-          use_gloo_process_groups: bool = True):
-    """(TransformerConfig, DDP model chunks, optimizer) of the run, as megatron-core builds them."""
+          use_gloo_process_groups: bool = True, overlap_comm: bool = True, transformer_engine: bool = True):
+    """(TransformerConfig, DDP model chunks, optimizer) of the run, as megatron-core builds them
+    (``overlap_comm``, ``transformer_engine``: see :func:`layer_spec`)."""
     config = transformer_config(args)
     model = training.build_model(
-        config, layer_spec(args, attention_backend, config), data.padded_vocab(args),
+        config, layer_spec(args, attention_backend, config, overlap_comm, transformer_engine), data.padded_vocab(args),
         args.max_position_embeddings,
         position_embedding_type=args.position_embedding_type,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,

@@ -27,6 +27,10 @@ def _submodules(qk_norm):
 
 
 def _build(tsp_size, dtype, groups, qkv_bias, proj_bias, qk_norm, overlap=True):
+    """(stock reference at world 1, TSP module, solo groups), same seed and dtype. In bf16
+    the TSP module runs the math backend of the attention op, whose rounding is that of the
+    stock module's unfused attention: what is tested here is the TSP schedule; the flash
+    kernel's own bf16 rounding is tested against float64 with the op."""
     ref_cfg, tsp_cfg = configs(tsp_size, dtype, hidden_size=HIDDEN, num_attention_heads=HEADS,
                                num_query_groups=groups, add_bias_linear=proj_bias, add_qkv_bias=qkv_bias)
     solo = solo_pg_collection()
@@ -34,7 +38,8 @@ def _build(tsp_size, dtype, groups, qkv_bias, proj_bias, qk_norm, overlap=True):
     ref = SelfAttention(ref_cfg, _submodules(qk_norm), layer_number=1,
                         attn_mask_type=AttnMaskType.causal, pg_collection=solo)
     torch.manual_seed(0)
-    tsp = TSPSelfAttention(tsp_cfg, _submodules(qk_norm), layer_number=1, overlap_comm=overlap)
+    tsp = TSPSelfAttention(tsp_cfg, _submodules(qk_norm), layer_number=1, overlap_comm=overlap,
+                           attention_backend="auto" if dtype == torch.float32 else "math")
     return ref, tsp, solo
 
 
@@ -177,18 +182,85 @@ def test_unsupported_settings_fail_at_construction():
     assert any("causal attention only" in m for m in messages)
 
 
-def test_flash_op_matches_sdpa_forward_and_backward():
-    from megatron_tsp.kernels import causal_attention
+def _softmax_attention(q, k, v, scale, visible):
+    """Attention by autograd in float64 (the op's reference): [s, b, h, d] layout, GQA."""
+    q, k, v = (t.double().permute(1, 2, 0, 3) for t in (q, k, v))
+    k, v = (t.repeat_interleave(q.size(1) // t.size(1), dim=1) for t in (k, v))
+    scores = (q @ k.transpose(-1, -2) * scale).masked_fill(~visible, float("-inf"))
+    return (torch.softmax(scores, dim=-1) @ v).permute(2, 0, 1, 3)
 
+
+@pytest.mark.parametrize("backend", ["cpu", "math"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("chunk_ids", [[0], [0, 3], [1, 2], [2, 5]], ids=str)
+def test_block_attention_matches_softmax_attention(backend, dtype, chunk_ids):
+    """Query chunks at their global chunk index against all keys: forward and gradients."""
+    from megatron_tsp.kernels import block_attention
+
+    chunk, seq = 4, 4 * (max(chunk_ids) + 1)
     g = torch.Generator().manual_seed(0)
-    q = torch.randn(6, 2, 4, 8, generator=g, requires_grad=True)
-    k = torch.randn(10, 2, 2, 8, generator=g, requires_grad=True)
-    v = torch.randn(10, 2, 2, 8, generator=g, requires_grad=True)
-    dout = torch.randn(6, 2, 4, 8, generator=g)
-    results = []
-    for backend in ("sdpa", "flash_op"):
-        out = causal_attention(q, k, v, 0.3, backend)
-        grads = torch.autograd.grad(out, (q, k, v), dout)
-        results.append((out, *grads))
-    for a, b in zip(*results):
-        assert rel_err(b, a) < 1e-5
+    k = torch.randn(seq, 2, 2, 8, generator=g).to(dtype).requires_grad_()
+    v = torch.randn(seq, 2, 2, 8, generator=g).to(dtype).requires_grad_()
+    rows = torch.cat([torch.arange(c * chunk, (c + 1) * chunk) for c in chunk_ids])
+    q = torch.randn(len(rows), 2, 4, 8, generator=g).to(dtype).requires_grad_()
+    dout = torch.randn(len(rows), 2, 4, 8, generator=g).to(dtype)
+    visible = rows.unsqueeze(1) >= torch.arange(seq).unsqueeze(0)
+    ref = _softmax_attention(q, k, v, 0.3, visible)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), dout.double())
+    out = block_attention(q, k, v, chunk_ids, 0.3, backend)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    errors = {name: rel_err(a, b) for name, a, b in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref, *ref_grads))}
+    assert_within([[(chunk_ids, errors)]], dtype)
+
+
+class KernelCalls:
+    """Counts the block kernels the attention op runs, by direction."""
+
+    def __init__(self):
+        from megatron_tsp import kernels
+
+        self.kernel = kernels._BACKENDS["cpu"]
+        self.calls = {"forward": 0, "backward": 0}
+
+    def _counted(self, name):
+        original = getattr(self.kernel, name)
+
+        def counted(*args):
+            self.calls[name] += 1
+            return original(*args)
+
+        return staticmethod(counted), original
+
+    def __enter__(self):
+        self._saved = {}
+        for name in self.calls:
+            wrapper, self._saved[name] = self._counted(name)
+            setattr(self.kernel, name, wrapper)
+        return self
+
+    def __exit__(self, *exc):
+        for name, original in self._saved.items():
+            setattr(self.kernel, name, staticmethod(original))
+
+
+def _kernel_calls(tsp_size):
+    init_tsp(tsp_size)
+    _, tsp, solo = _build(tsp_size, torch.float32, 4, False, False, False)
+    g = torch.Generator().manual_seed(1)
+    x_full = torch.randn(SEQ, BATCH, HIDDEN, generator=g)
+    x = local_rows(x_full, megatron_tsp.get_tsp_group()).clone().requires_grad_()
+    with KernelCalls() as forward:
+        out, _ = tsp(x, None, rotary_pos_emb=rotary_table(tsp.config, SEQ, solo.cp))
+    with KernelCalls() as backward:
+        out.backward(torch.ones_like(out))
+    return forward.calls, backward.calls
+
+
+@pytest.mark.parametrize("tsp_size", [1, 2])
+def test_tsp_backward_runs_no_attention_forward(ranks, tsp_size):
+    # per head group, rank p's chunks p and 2D-1-p: one causal block each, plus a full block
+    # for every chunk with keys before it (all but chunk 0)
+    for rank, (forward, backward) in enumerate(ranks(tsp_size, _kernel_calls, tsp_size)):
+        blocks = tsp_size * (2 + (rank != 0) + 1)
+        assert forward == {"forward": blocks, "backward": 0}
+        assert backward == {"forward": 0, "backward": blocks}

@@ -17,16 +17,23 @@ def test_overlap_hides_only_the_modes_overlappable_traffic():
     gb = 1e9
     total = {"flops": 2 * HW.peak_tflops * 1e12 * HW.matmul_efficiency, "attention_flops": 0,
              "comm": {**_comm("tsp_weight", 300 * gb), **_comm("tp", 30 * gb)}}
-    on = perfmodel.step_time(total, HW, "tsp", overlap=True, world_size=8)
-    off = perfmodel.step_time(total, HW, "tsp", overlap=False, world_size=8)
+    on = perfmodel.step_time(total, HW, "tsp", "overlap", world_size=8)
+    off = perfmodel.step_time(total, HW, "tsp", "no_overlap", world_size=8)
     latency = HW.intra_node_latency_us * 1e-6
     assert abs(on["compute_s"] - 2.0) < 1e-9
     weights, kv = 300 / HW.intra_node_gbs + latency, 30 / HW.intra_node_gbs + latency
-    assert abs(on["step_s"] - (max(2.0, weights) + kv)) < 1e-9   # K/V exposed, weights hidden
+    assert abs(on["step_s"] - (max(2.0, weights) + kv)) < 1e-9   # no attention to hide K/V behind
     assert abs(off["step_s"] - (2.0 + weights + kv)) < 1e-9
     tp_traffic = dict(total, comm=_comm("tp", 900 * gb))
-    baseline = perfmodel.step_time(tp_traffic, HW, "tp-sp", overlap=True, world_size=8)
+    baseline = perfmodel.step_time(tp_traffic, HW, "tp-sp", "overlap", world_size=8)
     assert abs(baseline["step_s"] - (900 / HW.intra_node_gbs + latency)) < 1e-9  # TP traffic hidden
+    exposed = perfmodel.step_time(tp_traffic, HW, "tp-sp", "no_tp_overlap", world_size=8)
+    assert abs(exposed["step_s"] - (2.0 + 900 / HW.intra_node_gbs + latency)) < 1e-9
+    # TSP's K/V exchange hides behind attention, and only behind attention
+    attention_s = 0.5
+    with_attention = dict(total, attention_flops=attention_s * HW.peak_tflops * 1e12 * HW.attention_efficiency)
+    t = perfmodel.step_time(with_attention, HW, "tsp", "no_tp_overlap", world_size=8)
+    assert abs(t["step_s"] - max(t["compute_s"], weights + min(kv, attention_s)) - max(0.0, kv - attention_s)) < 1e-9
 
 
 def test_layer_extrapolation_matches_a_full_plan():
@@ -41,7 +48,7 @@ def test_layer_extrapolation_matches_a_full_plan():
 def test_prediction_has_every_mode_and_a_sweep():
     result = perfmodel.predict(TINY, HW, nodes=1, modes=["tsp", "tp-sp"], seq_lengths=[128, 256])
     for mode in ("tsp", "tp-sp"):
-        for key in ("overlap", "no_overlap"):
+        for key in perfmodel.SCENARIOS:
             r = result["modes"][mode][key]
             assert r["step_s"] >= r["compute_s"] > 0 and 0 < r["mfu"] < 1
         assert result["modes"][mode]["overlap"]["step_s"] <= result["modes"][mode]["no_overlap"]["step_s"]
