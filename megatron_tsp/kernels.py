@@ -24,9 +24,13 @@ Backends, chosen once per module (:func:`select_backend`), all with GQA (fewer k
 
 * ``cpu``: aten's ``_scaled_dot_product_flash_attention_for_cpu`` and its backward;
 * ``flash_attn``: the flash-attn package's ``_flash_attn_forward/_flash_attn_backward``;
-* ``aten``: on CUDA or ROCm, torch's flash kernel (fp16/bf16) or memory-efficient kernel
-  (fp32), the ones ``scaled_dot_product_attention`` dispatches to;
+* ``aten``: on CUDA or ROCm, torch's memory-efficient kernel and its backward;
 * ``math``: a plain reference (fp32 scores, one block at a time), for tests.
+
+The GPU backends call private entry points whose conventions change between releases, and
+no GPU ran them in this project's CI: the first use of a GPU backend on a device and dtype
+checks one small block, forward and backward, against ``math`` and stops with one line if
+they disagree (:func:`check_backend`), rather than training on a wrong gradient.
 """
 
 from __future__ import annotations
@@ -106,33 +110,24 @@ class _CPU:
 
 
 class _Aten:
-    """torch's CUDA/ROCm kernels: flash for fp16/bf16, memory-efficient for fp32. Neither
-    takes GQA here, so k/v heads are repeated and their gradients summed back."""
+    """torch's memory-efficient kernel on CUDA and ROCm (any dtype; the kernel SDPA takes
+    where flash is unavailable). It does not take GQA here, so k/v heads are repeated and
+    their gradients summed back; it pads lse to a multiple of 32 rows."""
 
     @staticmethod
     def forward(q, k, v, causal, scale):
         k, v = _repeat_kv(k, q.size(1)), _repeat_kv(v, q.size(1))
-        if q.dtype in (torch.float16, torch.bfloat16):
-            out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False,
+        out, lse, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal,
                                                                               scale=scale)
-        else:
-            out, lse, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal,
-                                                                                  scale=scale)
-        return out, lse[..., : q.size(2)]  # the efficient kernel pads lse to a multiple of 32
+        return out, lse[..., : q.size(2)]
 
     @staticmethod
     def backward(dout, q, k, v, out, lse, causal, scale):
         kr, vr = _repeat_kv(k, q.size(1)), _repeat_kv(v, q.size(1))
-        empty = torch.empty(0, dtype=torch.long, device=q.device)
-        if q.dtype in (torch.float16, torch.bfloat16):
-            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-                dout, q, kr, vr, out, lse, empty, empty, q.size(2), kr.size(2), 0.0, causal, empty, empty,
-                scale=scale)
-        else:
-            lse = F.pad(lse, (0, -q.size(2) % 32)).contiguous()
-            dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-                dout, q, kr, vr, None, out, lse, empty, empty, 0.0, [True, True, True, False], causal,
-                scale=scale)
+        lse = F.pad(lse, (0, -q.size(2) % 32)).contiguous()
+        no_rng = torch.empty(0, dtype=torch.long, device=q.device)  # read only with dropout
+        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            dout, q, kr, vr, None, out, lse, no_rng, no_rng, 0.0, [True, True, True, False], causal, scale=scale)
         return dq, _sum_kv(dk, k.size(1)), _sum_kv(dv, v.size(1))
 
 
@@ -187,7 +182,7 @@ def _flash_attn_installed() -> bool:
     return True
 
 
-def select_backend(name: str, device: str = None) -> str:
+def select_backend(name: str) -> str:
     """``auto``: flash-attn on a GPU when it is installed, else torch's GPU kernels; aten's
     CPU flash kernel without a GPU."""
     if name not in BACKENDS:
@@ -201,10 +196,36 @@ def select_backend(name: str, device: str = None) -> str:
     return name
 
 
+_CHECKED = set()
+
+
+def check_backend(backend: str, device: torch.device, dtype: torch.dtype) -> None:
+    """Once per (backend, device type, dtype): one causal and one full block of a small GQA
+    problem, forward and backward with a merged lse, against ``math``; a one-line
+    RuntimeError if the kernel's conventions are not the ones assumed here."""
+    key = (backend, device.type, dtype)
+    if backend in ("math", "cpu") or key in _CHECKED:
+        return
+    _CHECKED.add(key)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    q, k, v, dout = (torch.randn(1, h, 64, 64, generator=g).to(device=device, dtype=dtype) for h in (4, 2, 2, 4))
+    tol = 1e-3 if dtype == torch.float32 else 3e-2
+    for causal in (True, False):
+        got = _BACKENDS[backend].forward(q, k, v, causal, 0.125)
+        ref = _Math.forward(q, k, v, causal, 0.125)
+        got_grads = _BACKENDS[backend].backward(dout, q, k, v, ref[0], ref[1], causal, 0.125)
+        ref_grads = _Math.backward(dout, q, k, v, ref[0], ref[1], causal, 0.125)
+        for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), (*got, *got_grads), (*ref, *ref_grads)):
+            if a.shape != b.shape or not torch.allclose(a.float(), b.float(), atol=tol * b.abs().max().item(), rtol=0):
+                raise RuntimeError(f"attention backend {backend!r} gives a wrong {name} on {device.type} {dtype} "
+                                   f"(causal={causal}); build the model with attention_backend='math' or another backend")
+
+
 # ---- the op -----------------------------------------------------------------------------------
 @torch.library.custom_op("megatron_tsp::block_attention", mutates_args=())
 def _block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_ids: List[int], scale: float,
                      backend: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    check_backend(backend, q.device, q.dtype)
     kernel = _BACKENDS[backend]
     chunk = q.size(2) // len(chunk_ids)
     out = torch.empty_like(q)

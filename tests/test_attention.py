@@ -264,3 +264,19 @@ def test_tsp_backward_runs_no_attention_forward(ranks, tsp_size):
         blocks = tsp_size * (2 + (rank != 0) + 1)
         assert forward == {"forward": blocks, "backward": 0}
         assert backward == {"forward": 0, "backward": blocks}
+
+
+def test_gpu_backend_self_check_accepts_a_right_kernel_and_stops_a_wrong_one(monkeypatch):
+    from megatron_tsp import kernels
+
+    class Transposed(kernels._CPU):  # a convention mistake: keys read as values
+        @staticmethod
+        def forward(q, k, v, causal, scale):
+            return kernels._CPU.forward(q, v, k, causal, scale)
+
+    monkeypatch.setattr(kernels, "_CHECKED", set())
+    monkeypatch.setitem(kernels._BACKENDS, "aten", kernels._CPU)
+    kernels.check_backend("aten", torch.device("cpu"), torch.float32)
+    monkeypatch.setitem(kernels._BACKENDS, "flash_attn", Transposed)
+    with pytest.raises(RuntimeError, match="attention backend 'flash_attn' gives a wrong out on cpu"):
+        kernels.check_backend("flash_attn", torch.device("cpu"), torch.float32)

@@ -22,10 +22,21 @@ def test_tensor_parallel_matches_single_process(ranks, reference, mode, tp):
     assert reference[-1][0] < reference[0][0], "loss should fall over 3 Adam steps"
 
 
+@pytest.fixture(scope="module")
+def modern_reference(ranks):
+    return ranks(1, run, "single", "modern")[0]
+
+
 @pytest.mark.parametrize("tp,cp", [(1, 2), (2, 2)])
 def test_tp_cp_baseline_with_flash_core_attention_matches(ranks, reference, tp, cp):
     for history in ranks(tp * cp, run, "tp-cp", "classic", tp=tp, cp=cp):
         assert_history_close(history, reference)
+
+
+@pytest.mark.parametrize("tp,cp", [(1, 2), (1, 4), (2, 2)])
+def test_tp_cp_baseline_matches_on_rope_gqa_swiglu(ranks, modern_reference, tp, cp):
+    for history in ranks(tp * cp, run, "tp-cp", "modern", tp=tp, cp=cp):
+        assert_history_close(history, modern_reference)
 
 
 def test_plain_optimizer_matches_distributed_optimizer(ranks, reference):

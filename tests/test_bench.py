@@ -1,0 +1,48 @@
+"""The side-by-side benchmark compares like with like: every mode trains the same model on
+the same fresh batches, and a run whose modes disagree on the first-step loss is refused."""
+
+import os
+
+import pytest
+import torch
+
+from megatron_tsp import bench
+from megatron_tsp.data import random_batch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH_CONFIG = os.path.join(ROOT, "configs", "bench-cpu.yaml")  # RoPE, GQA, SwiGLU, RMSNorm
+
+
+def test_modes_agree_on_a_rope_gqa_swiglu_model(ranks):
+    result = bench.run(BENCH_CONFIG, [64], ["tsp", "tsp-no-overlap", "tp-sp", "tp-cp"], repeats=1, steps=1,
+                       warmup=0, runner=lambda fn, *args: ranks(2, fn, *args), nproc=2)
+    entry = result["results"][64]
+    losses = {mode: r["first_step_loss"] for mode, r in entry.items()}
+    ref = losses["tp-sp"]
+    assert all(abs(loss - ref) <= 1e-5 * ref for loss in losses.values()), losses
+    assert entry["tp-sp"]["vs_tp_sp"] == 1.0 and entry["tp-cp"]["vs_tp_cp"] == 1.0
+    # TP x CP moves K/V of the whole sequence: the CP transform did not shrink later batches
+    assert entry["tp-cp"]["bytes_received_per_step"] > 0
+
+
+def test_disagreeing_modes_are_refused():
+    bench.check_same_loss({"tsp": [6.3175, 6.3175], "tp-sp": [6.3175000001]}, seq=256)
+    with pytest.raises(bench.ModesDisagree, match="S=256: mode tp-cp computes first-step loss 6.024800"):
+        bench.check_same_loss({"tsp": [6.3175], "tp-cp": [6.0248]}, seq=256)
+
+
+def test_every_batch_is_new_and_the_same_across_modes():
+    first = random_batch(1, 16, 100, seed=3)
+    first["tokens"] = first["tokens"][:, :8]  # what megatron's CP slice does to the dict it gets
+    again = random_batch(1, 16, 100, seed=3)
+    assert again["tokens"].shape == (1, 16)
+    assert torch.equal(again["labels"][:, :-1], again["tokens"][:, 1:])
+    assert not torch.equal(random_batch(1, 16, 100, seed=4)["tokens"], again["tokens"])
+
+
+def test_crossover_is_where_tsp_stays_at_most_tp_sp():
+    def entry(tsp, tp_sp):
+        return {"tsp": {"step_s_median": tsp}, "tp-sp": {"step_s_median": tp_sp}}
+
+    assert bench.crossover({512: entry(2, 1), 1024: entry(1, 1), 2048: entry(1, 2)}) == 1024
+    assert bench.crossover({512: entry(1, 2), 1024: entry(2, 1)}) is None
