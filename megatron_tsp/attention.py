@@ -154,6 +154,28 @@ class TSPSelfAttention(SelfAttention):
         return output, self.linear_proj.bias
 
 
+class _OneGroupBehind:
+    """Finishes head group r while group r+1's communication is in flight: with ``overlap``,
+    ``push(item)`` runs ``finish`` on the previous item; without, on this one at once.
+    ``flush()`` finishes the last. The order of the finishes is the same either way."""
+
+    def __init__(self, finish, overlap: bool):
+        self.finish, self.overlap, self.pending = finish, overlap, None
+
+    def push(self, item) -> None:
+        if not self.overlap:
+            self.finish(*item)
+            return
+        if self.pending is not None:
+            self.finish(*self.pending)
+        self.pending = item
+
+    def flush(self) -> None:
+        if self.pending is not None:
+            self.finish(*self.pending)
+            self.pending = None
+
+
 class _TSPAttentionFunction(torch.autograd.Function):
     """y_p = sum_r attn(x_p; W_r) Wproj_r^T with W_r broadcast from rank r (module docstring).
 
@@ -187,23 +209,16 @@ class _TSPAttentionFunction(torch.autograd.Function):
             outputs.append(out)
             lses.append(lse)
 
-        pending = None  # (q, K/V gather in flight, Wproj) of the previous head group
+        groups = _OneGroupBehind(finish, layer.overlap_comm)  # items: (q, K/V gather in flight, Wproj)
         stream = ShardStream(own, layer.weight_group, overlap=layer.overlap_comm)
         with comm.scope(f"{layer.comm_scope}/forward"):
             for _, shard in stream:
                 mixed = F.linear(x, *shard[:-1])
                 q, k, v = layer.split_heads(mixed, freqs)
                 projections.append(mixed)
-                current = (q, GatherKV(k, v, layer.tsp_group), shard[-1])
+                groups.push((q, GatherKV(k, v, layer.tsp_group), shard[-1]))
                 del q, k, v
-                if not layer.overlap_comm:
-                    finish(*current)
-                    continue
-                if pending is not None:
-                    finish(*pending)
-                pending = current
-            if pending is not None:
-                finish(*pending)
+            groups.flush()
         ctx.layer = layer
         ctx.n_shard = n_shard
         ctx.save_for_backward(freqs, x, *own, *projections, *outputs, *lses)
@@ -258,24 +273,17 @@ class _TSPAttentionFunction(torch.autograd.Function):
             d_qkv = [d_mixed2d.t() @ x2d] + ([d_mixed2d.sum(0)] if has_bias else [])
             stream.reduce_grad(r, [*d_qkv, d_proj])
 
+        groups = _OneGroupBehind(weight_backward, layer.overlap_comm)  # waiting for their dK/dV
         with comm.scope(f"{layer.comm_scope}/backward"):
             upcoming = heads(0)
-            pending = None  # the previous group, waiting for its dK/dV
             for r, shard in stream:
                 graph, gather = upcoming
                 if layer.overlap_comm and r + 1 < d_size:
                     upcoming = heads(r + 1)
-                current = attention_backward(r, shard, graph, gather)
+                groups.push(attention_backward(r, shard, graph, gather))
                 del graph, gather
-                if not layer.overlap_comm:
-                    weight_backward(*current)
-                    if r + 1 < d_size:
-                        upcoming = heads(r + 1)
-                    continue
-                if pending is not None:
-                    weight_backward(*pending)
-                pending = current
-            if pending is not None:
-                weight_backward(*pending)
+                if not layer.overlap_comm and r + 1 < d_size:
+                    upcoming = heads(r + 1)
+            groups.flush()
             own_grads = stream.own_grads()
         return (None, None, dx, *own_grads, *(g.to(p.dtype) for g, p in zip(d_replicated, replicated)))
