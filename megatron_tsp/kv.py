@@ -26,11 +26,12 @@ class GatherKV:
         self.full = local.new_empty((local.size(0) * group.size(),) + tuple(local.shape[1:]))
         self.to_global = zigzag.inverse_permutation(self.full.size(0), group.size(), key.device)
         self.handle = comm.all_gather(self.full, local, group, async_op=True)
+        self._local = local  # alive until the collective has read it
 
     def wait(self) -> Tuple[torch.Tensor, torch.Tensor]:
         comm.wait(self.handle)
         full = self.full.index_select(0, self.to_global)
-        del self.full
+        del self.full, self._local
         return full[:, 0], full[:, 1]
 
 
