@@ -323,11 +323,6 @@ def block_attention(query, keys, values, chunk_ids: Sequence[int], scale: float,
     return out.permute(2, 0, 1, 3)
 
 
-def causal_attention(query, keys, values, scale: float, backend: str) -> torch.Tensor:
-    """Causal attention of a whole sequence (``sq == sk``): one square causal block."""
-    return block_attention(query, keys, values, [0], scale, backend)
-
-
 def block_attention_forward(query, keys, values, chunk_ids: Sequence[int], scale: float, backend: str):
     """:func:`block_attention` for a hand-written backward schedule (no autograd): returns
     ``out [sq, b, hq, d]`` and ``lse [b, hq, sq]`` (fp32), what :func:`block_attention_backward`
