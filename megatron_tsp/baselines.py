@@ -28,7 +28,8 @@ from megatron_tsp.kv import AllGatherKV
 
 
 class FlashDotProductAttention(MegatronModule):
-    """Causal core attention for stock megatron attention: :func:`megatron_tsp.kernels.block_attention`, the op TSP uses.
+    """Causal core attention for stock megatron attention, by the op TSP uses
+    (:func:`megatron_tsp.kernels.block_attention`).
 
     Takes ``[sq, b, heads, d]`` query/key/value as ``DotProductAttention`` does and returns
     ``[sq, b, heads * d]``. Under context parallelism the local sequence is this CP rank's
@@ -58,11 +59,11 @@ class FlashDotProductAttention(MegatronModule):
                 packed_seq_params=None):
         if packed_seq_params is not None or attention_bias is not None:
             raise NotImplementedError("FlashDotProductAttention: packed sequences and attention bias are not supported")
-        cp = self.cp_group.size()
-        if cp > 1:
+        chunk_ids = [0]  # the whole sequence: one causal block
+        if self.cp_group.size() > 1:
             key, value = AllGatherKV.apply(key, value, self.cp_group)
-        out = block_attention(query, key, value, zigzag.rank_chunks(cp, self.cp_group.rank()) if cp > 1 else [0],
-                              self.softmax_scale, self.backend)
+            chunk_ids = zigzag.rank_chunks(self.cp_group.size(), self.cp_group.rank())
+        out = block_attention(query, key, value, chunk_ids, self.softmax_scale, self.backend)
         return out.reshape(out.size(0), out.size(1), -1)
 
 

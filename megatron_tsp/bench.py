@@ -22,7 +22,7 @@ import json
 import os
 import statistics
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -49,19 +49,18 @@ def _block(values: Dict, mode: str, seq: int, steps: int, warmup: int) -> Dict:
     """On every rank: build the model for ``mode``; its first step's loss, then ``warmup``
     more untimed steps, one counted step and ``steps`` timed steps, each on a new batch."""
     from megatron_tsp import instrument, training
-    from megatron_tsp.data import random_batch
+    from megatron_tsp.data import random_batches
     from megatron_tsp.train import batch_transform, build, initialize
 
     args = cfg.resolve(_values_for(values, mode, seq))
     initialize(args)
     _, model, optimizer = build(args, overlap_comm=mode != "tsp-no-overlap", transformer_engine=False)
     transform = batch_transform(args)
-    device = torch.cuda.current_device() if torch.cuda.is_available() else None
-    batches = iter(range(10**9))
+    batches = random_batches(args.micro_batch_size, seq, args.vocab_size,
+                             torch.cuda.current_device() if torch.cuda.is_available() else None)
 
     def step():
-        batch = random_batch(args.micro_batch_size, seq, args.vocab_size, seed=next(batches), device=device)
-        return training.train_step(model, optimizer, [batch], 1, seq, args.micro_batch_size, transform)
+        return training.train_step(model, optimizer, [next(batches)], 1, seq, args.micro_batch_size, transform)
 
     first_loss = step()["loss"]
     for _ in range(warmup):
@@ -134,7 +133,7 @@ def run(config_path: str, seqs: List[int], modes: List[str], repeats: int, steps
     return result
 
 
-def crossover(results: Dict) -> int:
+def crossover(results: Dict) -> Optional[int]:
     """The shortest measured length from which on TSP's median step is at most TP+SP's
     (None if TSP is slower at the longest length)."""
     seqs = [s for s in results if "tsp" in results[s] and "tp-sp" in results[s]]
@@ -150,7 +149,8 @@ def table(result: Dict) -> str:
     s = result["setup"]
     lines = [f"Benchmark {s['date']}: {s['config']}, {s['ranks']} rank(s) on {s['device']} ({s['backend']}), "
              f"torch {s['torch']}, megatron-core {s['megatron-core']}, commit {str(s['commit'])[:10]}; "
-             f"{result['repeats']} interleaved blocks of {result['steps']} steps (after {result['warmup']} warm-up)",
+             f"{result['repeats']} interleaved blocks of {result['steps']} steps (after the first step, "
+             f"{result['warmup']} warm-up and 1 counted step)",
              "", "| S | mode | step ms (median) | min-max of block medians | vs TP+SP | vs TP x CP | "
              "step-1 loss | MiB received/step | peak MiB |",
              "|---|---|---|---|---|---|---|---|---|"]

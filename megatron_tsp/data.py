@@ -9,6 +9,7 @@ Megatron's order: iteration i, micro-batch m, data-parallel rank r reads samples
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import random
@@ -121,10 +122,9 @@ def microbatches(dataset, iteration: int, num_microbatches: int, micro_batch_siz
     return out
 
 
-
 def random_batch(micro_batch_size: int, seq_length: int, vocab_size: int, seed: int,
                  device=None) -> Dict[str, torch.Tensor]:
-    """A new micro-batch of uniformly random tokens (benchmarks, the planner, the GPU check).
+    """A new micro-batch of uniformly random tokens (the benchmark, the GPU check).
 
     Every call returns new tensors: megatron's ``get_batch_on_this_cp_rank`` slices the dict it
     is given in place, so a batch must never be fed twice. The same ``seed`` gives the same
@@ -136,3 +136,9 @@ def random_batch(micro_batch_size: int, seq_length: int, vocab_size: int, seed: 
             "loss_mask": torch.ones(micro_batch_size, seq_length, device=device),
             "position_ids": torch.arange(seq_length, device=device).unsqueeze(0).expand(micro_batch_size, -1).contiguous(),
             "attention_mask": None}
+
+
+def random_batches(micro_batch_size: int, seq_length: int, vocab_size: int, device=None):
+    """:func:`random_batch` with seeds 0, 1, 2, ...: step n of every mode gets the same tokens."""
+    for seed in itertools.count():
+        yield random_batch(micro_batch_size, seq_length, vocab_size, seed, device)

@@ -26,7 +26,7 @@ def check_mode(values: Dict, mode: str, steps: int) -> Dict:
     import megatron_tsp
 
     from megatron_tsp import memory, training
-    from megatron_tsp.data import random_batch
+    from megatron_tsp.data import random_batches
     from megatron_tsp.train import batch_transform, build, initialize
 
     planned = memory.plan(dict(values), mode)
@@ -37,12 +37,11 @@ def check_mode(values: Dict, mode: str, steps: int) -> Dict:
         try:
             _, model, optimizer = build(args, clip_grad=0.0, use_gloo_process_groups=False,
                                         transformer_engine=False)
-            device = torch.cuda.current_device() if on_gpu else None
-            seeds = iter(range(10**9))
+            batches = random_batches(args.micro_batch_size, args.seq_length, args.vocab_size,
+                                     torch.cuda.current_device() if on_gpu else None)
 
             def step():  # a new batch every step (the CP transform slices it in place)
-                batch = random_batch(args.micro_batch_size, args.seq_length, args.vocab_size, next(seeds), device)
-                training.train_step(model, optimizer, [batch], 1, args.seq_length, args.micro_batch_size,
+                training.train_step(model, optimizer, [next(batches)], 1, args.seq_length, args.micro_batch_size,
                                     batch_transform(args))
 
             step()  # warm-up; also creates Adam's moments

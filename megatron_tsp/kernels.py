@@ -315,21 +315,19 @@ def _flops_backward(dout_shape, q_shape, k_shape, v_shape, out_shape_, lse_shape
     return _forward_flops(q_shape, chunk_ids) * 5 // 2
 
 
-def block_attention(query, keys, values, chunk_ids: Sequence[int], scale: float, backend: str) -> torch.Tensor:
-    """Megatron layout: query ``[sq, b, hq, d]`` (its chunks at ``chunk_ids``), keys/values
-    ``[sk, b, hk, d]`` in global order, hq a multiple of hk. Returns ``[sq, b, hq, d]``."""
-    q, k, v = (t.permute(1, 2, 0, 3) for t in (query, keys, values))
-    out, _ = _block_attention(q, k, v, list(chunk_ids), float(scale), backend)
-    return out.permute(2, 0, 1, 3)
-
-
 def block_attention_forward(query, keys, values, chunk_ids: Sequence[int], scale: float, backend: str):
-    """:func:`block_attention` for a hand-written backward schedule (no autograd): returns
-    ``out [sq, b, hq, d]`` and ``lse [b, hq, sq]`` (fp32), what :func:`block_attention_backward`
-    needs besides the inputs."""
+    """Megatron layout: query ``[sq, b, hq, d]`` (its chunks at ``chunk_ids``), keys/values
+    ``[sk, b, hk, d]`` in global order, hq a multiple of hk. Returns ``out [sq, b, hq, d]``
+    and ``lse [b, hq, sq]`` (fp32): under autograd the op's own backward applies; a
+    hand-written schedule saves both for :func:`block_attention_backward`."""
     q, k, v = (t.permute(1, 2, 0, 3) for t in (query, keys, values))
-    out, lse = torch.ops.megatron_tsp.block_attention(q, k, v, list(chunk_ids), float(scale), backend)
+    out, lse = _block_attention(q, k, v, list(chunk_ids), float(scale), backend)
     return out.permute(2, 0, 1, 3), lse
+
+
+def block_attention(query, keys, values, chunk_ids: Sequence[int], scale: float, backend: str) -> torch.Tensor:
+    """The attention output of :func:`block_attention_forward`, differentiable by autograd."""
+    return block_attention_forward(query, keys, values, chunk_ids, scale, backend)[0]
 
 
 def block_attention_backward(d_out, query, keys, values, out, lse, chunk_ids: Sequence[int], scale: float,
