@@ -29,12 +29,13 @@ import torch.distributed as dist
 
 from megatron_tsp import config as cfg
 from megatron_tsp.env import run_record
+from megatron_tsp.errors import UserError
 
 BENCH_MODES = ("tsp", "tsp-no-overlap", "tp-sp", "tp-cp")
 LOSS_RTOL = 1e-4  # step-1 losses of a fresh fp32 model differ by reduction order only (~1e-7)
 
 
-class ModesDisagree(RuntimeError):
+class ModesDisagree(UserError):
     """The modes did not compute the same first-step loss: the comparison would be invalid."""
 
 

@@ -5,11 +5,18 @@ checkpoint of the same model: one saved by a TSP run loads into a TP run, into a
 TSP size, or into a different pipeline split, and back. The optimizer state is saved in
 megatron's ``fully_reshardable`` format for the same reason. Per-rank objects (RNG states)
 are restored only into a job of the same world size.
+
+Nothing loads silently wrong: a save writes ``checksums.json`` (size and CRC-32 of every
+file), a load verifies it (the ranks share the reading) and compares the model's shape
+arguments saved in ``common`` with the model it loads into, and every failure is one
+:class:`~megatron_tsp.errors.CheckpointError` line naming the file and what is wrong.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import zlib
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -18,6 +25,7 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 from megatron_tsp.compat import enable_torch_adam_checkpoints
+from megatron_tsp.errors import CheckpointError
 from megatron_tsp.training import unwrap
 
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
@@ -45,6 +53,7 @@ def _materialize_optimizer_state(optimizer) -> None:
 
 
 TRACKER = "latest_checkpointed_iteration.txt"
+CHECKSUMS = "checksums.json"
 
 
 def iteration_dir(root: str, iteration: int) -> str:
@@ -52,17 +61,26 @@ def iteration_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
 
 
-def latest(root: Optional[str]) -> Optional[str]:
-    """The latest checkpoint under ``root`` (Megatron-LM layout), or None."""
+def latest(root: Optional[str]) -> Optional[Tuple[str, int]]:
+    """(directory, iteration) of the latest checkpoint under ``root`` (Megatron-LM layout), or
+    None when ``root`` holds none yet (no tracker file)."""
     tracker = os.path.join(root or "", TRACKER)
     if not root or not os.path.isfile(tracker):
         return None
-    with open(tracker, encoding="utf-8") as f:
-        return iteration_dir(root, int(f.read().strip()))
+    with open(tracker, encoding="utf-8", errors="replace") as f:
+        text = f.read().strip()
+    if not text.isdigit():
+        raise CheckpointError(f"{tracker}: expected the iteration of the latest checkpoint, found {text[:40]!r}; "
+                              "write the iteration of an iter_* directory into it or delete it")
+    path = iteration_dir(root, int(text))
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{tracker} names iteration {text}, but {path} does not exist")
+    return path, int(text)
 
 
 def save_iteration(root: str, iteration: int, *args, **kwargs) -> str:
-    """:func:`save` into ``ROOT/iter_N``, then point the tracker at it."""
+    """:func:`save` into ``ROOT/iter_N``, then point the tracker at it (a save killed halfway
+    leaves the tracker at the previous checkpoint)."""
     path = iteration_dir(root, iteration)
     save(path, *args, **kwargs)
     if dist.get_rank() == 0:
@@ -74,8 +92,8 @@ def save_iteration(root: str, iteration: int, *args, **kwargs) -> str:
 
 def save(path: str, model: List[torch.nn.Module], optimizer=None,
          common: Optional[Dict[str, Any]] = None, per_rank: Any = None) -> None:
-    """Save model (and optimizer) shards, ``common`` (plain objects, from rank 0) and
-    ``per_rank`` (one object per rank)."""
+    """Save model (and optimizer) shards, ``common`` (plain objects, from rank 0; its
+    ``model_args``, if any, are checked at load) and ``per_rank`` (one object per rank)."""
     os.makedirs(path, exist_ok=True)
     state = _model_state(model)
     if optimizer is not None:
@@ -87,13 +105,21 @@ def save(path: str, model: List[torch.nn.Module], optimizer=None,
         state["per_rank"] = _per_rank(per_rank)
     dist_checkpointing.save(state, path)
     dist.barrier()
+    _write_checksums(path)
 
 
 def load(path: str, model: List[torch.nn.Module], optimizer=None,
-         per_rank: bool = False) -> Tuple[Dict[str, Any], Any]:
+         per_rank: bool = False, model_args: Optional[Dict[str, Any]] = None) -> Tuple[Dict[str, Any], Any]:
     """Load into ``model`` (and ``optimizer``); return (common entries, this rank's object or
-    None when it was not saved or the world size differs)."""
-    common = dist_checkpointing.load_common_state_dict(path)
+    None when it was not saved or the world size differs). ``model_args``: the shape
+    arguments of ``model``, refused with one line if the checkpoint saved different ones."""
+    _verify(path)
+    try:
+        common = dist_checkpointing.load_common_state_dict(path)
+    except Exception as exc:  # noqa: BLE001 - any unpickling failure means the same thing
+        raise CheckpointError(f"{os.path.join(path, 'common.pt')}: cannot be read "
+                              f"({type(exc).__name__}); the checkpoint is damaged") from exc
+    _check_model_args(path, common.get("model_args"), model_args)
     state = _model_state(model)
     if optimizer is not None:
         _materialize_optimizer_state(optimizer)
@@ -101,7 +127,11 @@ def load(path: str, model: List[torch.nn.Module], optimizer=None,
     with_rank_state = per_rank and common.get("has_per_rank") and common.get("world_size") == dist.get_world_size()
     if with_rank_state:
         state["per_rank"] = _per_rank(None)
-    loaded = dist_checkpointing.load(state, path)
+    try:
+        loaded = dist_checkpointing.load(state, path)
+    except Exception as exc:  # noqa: BLE001 - megatron/torch raise KeyError, ValueError, CheckpointException ...
+        first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"checkpoint {path} does not fit this model or is damaged: {first}") from exc
     unwrap(model[0]).load_state_dict(loaded.pop("model"))
     if optimizer is not None:
         optimizer.load_state_dict(loaded.pop("optimizer"))
@@ -109,3 +139,71 @@ def load(path: str, model: List[torch.nn.Module], optimizer=None,
     for key in ("model", "optimizer", "per_rank"):
         common.pop(key, None)
     return common, rank_state
+
+
+def _check_model_args(path: str, saved: Optional[Dict[str, Any]], expected: Optional[Dict[str, Any]]) -> None:
+    if saved is None or expected is None:
+        return
+    for key in sorted(set(saved) | set(expected)):
+        if saved.get(key) != expected.get(key):
+            raise CheckpointError(
+                f"checkpoint {path} is of another model: {key} {saved.get(key)!r} there, {expected.get(key)!r} "
+                f"in this run; load it with the same model arguments")
+
+
+def _crc32(path: str) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _files(path: str) -> List[str]:
+    return sorted(f for f in os.listdir(path) if f != CHECKSUMS and os.path.isfile(os.path.join(path, f)))
+
+
+def _write_checksums(path: str) -> None:
+    """Every rank sums its share of the files; rank 0 writes the manifest."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = {f: {"bytes": os.path.getsize(os.path.join(path, f)), "crc32": _crc32(os.path.join(path, f))}
+            for f in _files(path)[rank::world]}
+    shares: List[Any] = [None] * world
+    dist.all_gather_object(shares, mine)
+    if rank == 0:
+        manifest = {f: entry for share in shares for f, entry in share.items()}
+        with open(os.path.join(path, CHECKSUMS), "w", encoding="utf-8") as f:
+            json.dump(manifest, f, indent=1, sort_keys=True)
+    dist.barrier()
+
+
+def _verify(path: str) -> None:
+    """Raise the same CheckpointError on every rank if a file is missing, resized or altered
+    (checkpoints without a manifest, e.g. Megatron-LM's, are checked for completeness only)."""
+    if not os.path.isfile(os.path.join(path, ".metadata")):
+        raise CheckpointError(f"checkpoint {path}: .metadata is missing (an unfinished save, or not a "
+                              "dist_checkpointing directory)")
+    manifest_path = os.path.join(path, CHECKSUMS)
+    if not os.path.isfile(manifest_path):
+        return
+    try:
+        with open(manifest_path, encoding="utf-8") as f:
+            manifest = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{manifest_path}: cannot be read ({exc})") from None
+    rank, world = dist.get_rank(), dist.get_world_size()
+    problems = []
+    for i, (name, entry) in enumerate(sorted(manifest.items())):
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            problems.append(f"{file}: missing")
+        elif os.path.getsize(file) != entry["bytes"]:
+            problems.append(f"{file}: {os.path.getsize(file)} bytes, saved with {entry['bytes']} (truncated?)")
+        elif i % world == rank and _crc32(file) != entry["crc32"]:
+            problems.append(f"{file}: contents differ from the saved checksum (damaged)")
+    found: List[Any] = [None] * world
+    dist.all_gather_object(found, problems)
+    problems = sorted({p for share in found for p in share})
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise CheckpointError(f"checkpoint {problems[0]}{more}; the checkpoint cannot be used")

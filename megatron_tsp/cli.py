@@ -1,14 +1,24 @@
-"""The ``megatron-tsp`` command."""
+"""The ``megatron-tsp`` command.
+
+A mistake gets one line (``megatron-tsp: error: ...``) and a non-zero exit: 2 for a bad
+configuration or argument, 1 for anything that failed while running, 130 for Ctrl-C. A
+failed rank's traceback goes to ``error.log`` beside the run's log; ``--debug`` prints
+tracebacks instead.
+"""
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import shlex
 import sys
+import traceback
 import warnings
 from typing import List, Optional
+
+from megatron_tsp.errors import ConfigError, UserError
 
 
 def _cmd_env(args: argparse.Namespace) -> int:
@@ -40,10 +50,18 @@ def _resolve(ns: argparse.Namespace):
     return path, values, config.resolve(values)
 
 
+def _write(path: str, text: str, flag: str) -> None:
+    """Write a result file (creating its folder); one line if that is impossible."""
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+    except OSError as exc:
+        raise UserError(f"{flag} {path}: cannot be written ({exc.strerror or exc})") from None
+
+
 def _write_json(path: str, obj) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2, default=str)
+    _write(path, json.dumps(obj, indent=2, default=str), "--json")
 
 
 def _under_torchrun() -> bool:
@@ -71,14 +89,22 @@ def _cmd_args(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _train_rank(args, log_path):
+def _train_rank(args, log_path, collective_timeout_min):
     from megatron_tsp.train import train
 
-    return train(args, log_path)
+    return train(args, log_path, collective_timeout_min)
+
+
+def _already_done(args, resume: Optional[int]) -> bool:
+    if resume is not None and resume >= args.train_iters:
+        print(f"megatron-tsp train: the checkpoint in {args.load} is at iteration {resume} and --train-iters is "
+              f"{args.train_iters}: the run is complete, nothing to do (raise --train-iters to train on)", flush=True)
+        return True
+    return False
 
 
 def _cmd_train(ns: argparse.Namespace) -> int:
-    from megatron_tsp import config, launch
+    from megatron_tsp import config, data, launch, preflight
 
     path, _, args = _resolve(ns)
     log_path = ns.log_json or os.path.join(
@@ -87,16 +113,29 @@ def _cmd_train(ns: argparse.Namespace) -> int:
         import torch.distributed as dist
 
         _init_torchrun(ns.collective_timeout_min)
-        _train_rank(args, log_path)
+        if dist.get_rank() == 0 and not args.mock_data:
+            data.ensure_corpus(args.data_path)
+        dist.barrier()
+        if not _already_done(args, preflight.check_run(args, dist.get_world_size())):
+            _train_rank(args, log_path, ns.collective_timeout_min)
         dist.destroy_process_group()
         return 0
     nproc = ns.nproc or config.model_parallel_size(args)
+    if not args.mock_data:
+        data.ensure_corpus(args.data_path)
+    if _already_done(args, preflight.check_run(args, nproc)):
+        return 0
     print(f"megatron-tsp train: {path}, {nproc} gloo rank(s) on this machine", flush=True)
-    pool = launch.WorkerPool(nproc, collective_timeout_s=60 * ns.collective_timeout_min)
     try:
-        pool.run(_train_rank, args, log_path, timeout_s=ns.timeout_s)
-    finally:
-        pool.close()
+        with launch.WorkerPool(nproc, collective_timeout_s=60 * ns.collective_timeout_min) as pool:
+            pool.run(_train_rank, args, log_path, ns.collective_timeout_min, timeout_s=ns.timeout_s)
+    except launch.RankError as exc:
+        if not exc.user_error:
+            error_log = os.path.abspath(os.path.join(os.path.dirname(log_path), "error.log"))
+            with open(error_log, "a", encoding="utf-8") as f:
+                f.write(f"[{datetime.datetime.now():%Y-%m-%d %H:%M:%S}] {path}: rank {exc.rank}\n{exc.traceback}\n")
+            exc.summary += f" (traceback: {error_log})"
+        raise
     return 0
 
 
@@ -106,20 +145,18 @@ def _cmd_compare(ns: argparse.Namespace) -> int:
     runs = {os.path.relpath(p): compare.summarize(compare.read_run(p), ns.warmup)
             for p in ns.runs}
     text = compare.table(runs)
-    print(text)
     if ns.markdown:
-        with open(ns.markdown, "w", encoding="utf-8") as f:
-            f.write(text + "\n")
+        _write(ns.markdown, text + "\n", "--markdown")
     if ns.json:
         _write_json(ns.json, runs)
+    print(text)
     return 0
 
 
 def _cmd_memory(ns: argparse.Namespace) -> int:
     from megatron_tsp import config, memory
 
-    modes = [m.strip() for m in ns.modes.split(",") if m.strip()]
-    result = memory.plan_modes(ns.config, modes, world_size=ns.world_size, cp=ns.cp,
+    result = memory.plan_modes(ns.config, ns.modes, world_size=ns.world_size, cp=ns.cp,
                                overrides=config.overrides(ns))
     print(memory.table(result))
     if ns.json:
@@ -133,9 +170,7 @@ def _cmd_predict(ns: argparse.Namespace) -> int:
     from megatron_tsp import config, perfmodel
 
     hw = perfmodel.load_hardware(ns.hardware)
-    seqs = [int(x) for x in ns.sweep.split(",")] if ns.sweep else None
-    modes = [m.strip() for m in ns.modes.split(",") if m.strip()]
-    result = perfmodel.predict(ns.config, hw, ns.nodes, modes, ns.cp, seqs, config.overrides(ns))
+    result = perfmodel.predict(ns.config, hw, ns.nodes, ns.modes, ns.cp, ns.sweep, config.overrides(ns))
     print(perfmodel.table(result))
     if ns.json:
         _write_json(ns.json, result)
@@ -146,74 +181,101 @@ def _cmd_bench(ns: argparse.Namespace) -> int:
     from megatron_tsp import bench, launch
 
     path = ns.config or os.path.join(os.path.dirname(default_config_path()), "bench-cpu.yaml")
-    seqs = [int(x) for x in ns.seq.split(",")]
-    modes = [m.strip() for m in ns.modes.split(",") if m.strip()]
-    try:
-        if _under_torchrun():  # every rank runs here
-            import torch.distributed as dist
+    if _under_torchrun():  # every rank runs here
+        import torch.distributed as dist
 
-            _init_torchrun()
-            result = bench.run(path, seqs, modes, ns.repeats, ns.steps, ns.warmup,
-                               lambda fn, *a: [fn(*a)], dist.get_world_size())
-            if dist.get_rank() != 0:
-                return 0
-        else:
-            pool = launch.WorkerPool(ns.nproc)
-            try:
-                result = bench.run(path, seqs, modes, ns.repeats, ns.steps, ns.warmup,
-                                   lambda fn, *a: pool.run(fn, *a, timeout_s=ns.timeout_s), ns.nproc)
-            finally:
-                pool.close()
-    except bench.ModesDisagree as exc:
-        print(f"megatron-tsp bench: error: {exc}", file=sys.stderr)
-        return 1
+        _init_torchrun()
+        result = bench.run(path, ns.seq, ns.modes, ns.repeats, ns.steps, ns.warmup,
+                           lambda fn, *a: [fn(*a)], dist.get_world_size())
+        if dist.get_rank() != 0:
+            return 0
+    else:
+        with launch.WorkerPool(ns.nproc) as pool:
+            result = bench.run(path, ns.seq, ns.modes, ns.repeats, ns.steps, ns.warmup,
+                               lambda fn, *a: pool.run(fn, *a, timeout_s=ns.timeout_s), ns.nproc)
     print(bench.table(result))
     print("wrote", ", ".join(bench.write(result, ns.out, ns.name)))
     return 0
 
 
+def _number(kind: type, low: float, what: str):
+    """An argparse type: a ``kind`` number >= ``low`` (one usage line otherwise)."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if not value >= low:  # also refuses NaN
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
+        return value
+    return parse
+
+
+POSITIVE_INT = _number(int, 1, "a positive integer")
+NON_NEGATIVE_INT = _number(int, 0, "an integer >= 0")
+POSITIVE_FLOAT = _number(float, 1e-300, "a positive number")
+
+
+def _int_list(text: str) -> List[int]:
+    """Comma-separated positive integers (sequence lengths)."""
+    return [POSITIVE_INT(x.strip()) for x in text.split(",") if x.strip()] or POSITIVE_INT("")
+
+
+def _name_list(text: str) -> List[str]:
+    return [m.strip() for m in text.split(",") if m.strip()]
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line error (its default prints the whole usage first)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="megatron-tsp",
         description="TSP (Tensor + Sequence Parallelism) for Megatron-Core.",
     )
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", help="print Python tracebacks instead of one-line errors")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    env = sub.add_parser("env", help="versions of torch/megatron-core/TE/apex, device and backend")
+    env = sub.add_parser("env", parents=[common], help="versions of torch/megatron-core/TE/apex, device and backend")
     env.add_argument("--json", action="store_true", help="print JSON")
     env.set_defaults(func=_cmd_env)
 
     from megatron_tsp import config
 
-    args = sub.add_parser("args", help="render a config as Megatron-LM command-line flags")
+    args = sub.add_parser("args", parents=[common], help="render a config as Megatron-LM command-line flags")
     args.add_argument("config", help="YAML config (keys are Megatron-LM argument names)")
     config.add_arguments(args)
     args.set_defaults(func=_cmd_args)
 
     train = sub.add_parser(
-        "train", help="train GPT with TSP (or a TP baseline) on megatron-core",
+        "train", parents=[common], help="train GPT with TSP (or a TP baseline) on megatron-core",
         description="Train GPT on megatron-core. CONFIG defaults to configs/tiny-cpu.yaml; "
                     "Megatron-style flags override its keys. Under torchrun every rank runs "
                     "here; otherwise --nproc gloo ranks are spawned on this machine.")
     train.add_argument("config", nargs="?", help="YAML config (default: configs/tiny-cpu.yaml)")
-    train.add_argument("--nproc", type=int, default=None,
+    train.add_argument("--nproc", type=POSITIVE_INT, default=None,
                        help="gloo ranks to spawn without torchrun (default: the model-parallel size)")
     train.add_argument("--log-json", default=None, help="JSON-lines log (default: runs/<config>/log.jsonl)")
-    train.add_argument("--timeout-s", type=float, default=6 * 3600.0,
+    train.add_argument("--timeout-s", type=POSITIVE_FLOAT, default=6 * 3600.0,
                        help="wall-clock limit of a spawned job")
-    train.add_argument("--collective-timeout-min", type=float, default=10.0,
+    train.add_argument("--collective-timeout-min", type=POSITIVE_FLOAT, default=10.0,
                        help="timeout of every collective")
     config.add_arguments(train)
     train.set_defaults(func=_cmd_train)
 
     mem = sub.add_parser(
-        "memory", help="peak memory per category of one rank at full size (FakeTensorMode, no GPU)",
+        "memory", parents=[common], help="peak memory per category of one rank at full size (FakeTensorMode, no GPU)",
         description="One training step of rank 0 of the configured job under FakeTensorMode with "
                     "the fake process-group backend, for each mode at the same model-parallel "
                     "size, global shapes and recompute setting.")
     mem.add_argument("config", help="YAML config")
-    mem.add_argument("--modes", default="tsp,tp,tp-sp,tp-cp", help="comma-separated: tsp,tp,tp-sp,tp-cp")
-    mem.add_argument("--cp", type=int, default=2, help="context-parallel size of the tp-cp mode")
-    mem.add_argument("--world-size", type=int, default=None,
+    mem.add_argument("--modes", type=_name_list, default="tsp,tp,tp-sp,tp-cp", help="comma-separated: tsp,tp,tp-sp,tp-cp")
+    mem.add_argument("--cp", type=POSITIVE_INT, default=2, help="context-parallel size of the tp-cp mode")
+    mem.add_argument("--world-size", type=POSITIVE_INT, default=None,
                      help="ranks of the job (default: the model-parallel size, one replica)")
     mem.add_argument("--json", help="write the results here")
     mem.add_argument("--plot", help="write a stacked bar chart (PNG) here")
@@ -222,39 +284,40 @@ def build_parser() -> argparse.ArgumentParser:
     mem.set_defaults(func=_cmd_memory)
 
     pred = sub.add_parser(
-        "predict", help="step time and tokens/s from counted FLOPs and bytes on a hardware profile",
+        "predict", parents=[common], help="step time and tokens/s from counted FLOPs and bytes on a hardware profile",
         description="Counts FLOPs and collective bytes of the real model with the memory planner "
                     "(1 and 2 layers, extrapolated) and times them on a hardware profile.")
     pred.add_argument("config", help="YAML config")
     pred.add_argument("--hardware", required=True, help="configs/hardware/<name>.yaml")
-    pred.add_argument("--nodes", type=int, default=1, help="nodes of the job")
-    pred.add_argument("--modes", default="tsp,tp,tp-sp,tp-cp", help="comma-separated modes")
-    pred.add_argument("--cp", type=int, default=2, help="context-parallel size of tp-cp")
-    pred.add_argument("--sweep", default=None,
+    pred.add_argument("--nodes", type=POSITIVE_INT, default=1, help="nodes of the job")
+    pred.add_argument("--modes", type=_name_list, default="tsp,tp,tp-sp,tp-cp", help="comma-separated modes")
+    pred.add_argument("--cp", type=POSITIVE_INT, default=2, help="context-parallel size of tp-cp")
+    pred.add_argument("--sweep", type=_int_list, default=None,
                       help="comma-separated sequence lengths for the TSP / TP+SP crossover")
     pred.add_argument("--json", help="write the results here")
     config.add_arguments(pred, keys=["micro_batch_size", "recompute_granularity"])
     pred.set_defaults(func=_cmd_predict)
 
     bn = sub.add_parser(
-        "bench", help="time TSP, TP+SP and TP x CP training steps side by side on this machine",
+        "bench", parents=[common], help="time TSP, TP+SP and TP x CP training steps side by side on this machine",
         description="Interleaved blocks of timed training steps of every mode on the same ranks; "
                     "writes JSON, a markdown table and a PNG.")
     bn.add_argument("config", nargs="?", help="YAML config (default: configs/bench-cpu.yaml)")
-    bn.add_argument("--seq", default="256,1024,4096", help="comma-separated sequence lengths")
-    bn.add_argument("--modes", default="tsp,tsp-no-overlap,tp-sp,tp-cp", help="comma-separated modes")
-    bn.add_argument("--repeats", type=int, default=3, help="interleaved blocks per mode")
-    bn.add_argument("--steps", type=int, default=3, help="timed steps per block")
-    bn.add_argument("--warmup", type=int, default=1, help="untimed steps per block")
-    bn.add_argument("--nproc", type=int, default=2, help="gloo ranks to spawn without torchrun")
-    bn.add_argument("--timeout-s", type=float, default=1800.0, help="deadline of one block")
+    bn.add_argument("--seq", type=_int_list, default="256,1024,4096", help="comma-separated sequence lengths")
+    bn.add_argument("--modes", type=_name_list, default="tsp,tsp-no-overlap,tp-sp,tp-cp", help="comma-separated modes")
+    bn.add_argument("--repeats", type=POSITIVE_INT, default=3, help="interleaved blocks per mode")
+    bn.add_argument("--steps", type=POSITIVE_INT, default=3, help="timed steps per block")
+    bn.add_argument("--warmup", type=NON_NEGATIVE_INT, default=1, help="untimed steps per block")
+    bn.add_argument("--nproc", type=POSITIVE_INT, default=2, help="gloo ranks to spawn without torchrun")
+    bn.add_argument("--timeout-s", type=POSITIVE_FLOAT, default=1800.0, help="deadline of one block")
     bn.add_argument("--out", default="bench/results", help="output folder")
     bn.add_argument("--name", default="bench-cpu", help="file stem of the results")
     bn.set_defaults(func=_cmd_bench)
 
-    cmp = sub.add_parser("compare", help="table of several runs' iteration logs (JSON lines or Megatron text)")
+    cmp = sub.add_parser("compare", parents=[common],
+                         help="table of several runs' iteration logs (JSON lines or Megatron text)")
     cmp.add_argument("runs", nargs="+", help="log files or run directories")
-    cmp.add_argument("--warmup", type=int, default=2, help="iterations left out of the timing")
+    cmp.add_argument("--warmup", type=NON_NEGATIVE_INT, default=2, help="iterations left out of the timing")
     cmp.add_argument("--markdown", help="write the table here")
     cmp.add_argument("--json", help="write the summaries here")
     cmp.set_defaults(func=_cmd_compare)
@@ -270,12 +333,29 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
-    from megatron_tsp.config import ConfigError
+    from megatron_tsp.launch import PoolTimeout, RankError
 
+    where = f"rank {os.environ['RANK']}: " if _under_torchrun() else ""
     try:
         return args.func(args)
-    except ConfigError as exc:
-        parser.exit(2, f"megatron-tsp: error: {exc}\n")
+    except KeyboardInterrupt:
+        print(f"megatron-tsp: {where}interrupted; every rank was stopped", file=sys.stderr)
+        return 130
+    except (UserError, RankError, PoolTimeout) as exc:
+        if args.debug:
+            traceback.print_exc()
+            if isinstance(exc, RankError):
+                print(exc.traceback, file=sys.stderr)
+        line = exc.summary if isinstance(exc, RankError) else str(exc)
+        print(f"megatron-tsp {args.command}: error: {where}{line}", file=sys.stderr)
+        return 2 if isinstance(exc, ConfigError) else 1
+    except Exception as exc:  # noqa: BLE001 - a bug: one line, the traceback behind --debug
+        if args.debug:
+            raise
+        first = (str(exc).strip().splitlines() or [""])[0]
+        print(f"megatron-tsp {args.command}: internal error: {where}{type(exc).__name__}: {first} "
+              "(run again with --debug for the traceback)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

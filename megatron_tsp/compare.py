@@ -15,6 +15,8 @@ import re
 import statistics
 from typing import Dict, List, Optional
 
+from megatron_tsp.errors import UserError
+
 _FIELDS = {
     "iteration": r"iteration\s+(\d+)/",
     "elapsed_ms": r"elapsed time per iteration \(ms\):\s*([\d.]+)",
@@ -40,21 +42,46 @@ def parse_text(lines: List[str]) -> List[Dict[str, float]]:
 
 
 def read_run(path: str) -> List[Dict[str, float]]:
-    """Iteration records of a log file or a run directory."""
-    if os.path.isdir(path):
-        jsonl = sorted(glob.glob(os.path.join(path, "**", "log.jsonl"), recursive=True))
-        if jsonl:
-            return read_run(jsonl[0])
-        for candidate in sorted(glob.glob(os.path.join(path, "**", "*.log"), recursive=True)) + \
-                sorted(glob.glob(os.path.join(path, "**", "*.out"), recursive=True)):
-            records = read_run(candidate)
-            if records:
-                return records
-        return []
-    with open(path, encoding="utf-8", errors="replace") as f:
-        if path.endswith(".jsonl"):
-            return [json.loads(line) for line in f if line.strip()]
-        return parse_text(f.readlines())
+    """Iteration records of a log file or a run directory; one :class:`UserError` line when
+    there are none (missing, empty, half-written or not a log)."""
+    log = _find_log(path) if os.path.isdir(path) else path
+    try:
+        with open(log, encoding="utf-8", errors="replace") as f:
+            lines = f.readlines()
+    except OSError as exc:
+        raise UserError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+    records = _parse_jsonl(log, lines) if log.endswith(".jsonl") else parse_text(lines)
+    if not records:
+        raise UserError(f"{log}: no iteration records (an empty log, or not a megatron-tsp / Megatron-LM log)")
+    return records
+
+
+def _find_log(path: str) -> str:
+    """``log.jsonl`` under a run directory, else the first text log with iteration lines."""
+    jsonl = sorted(glob.glob(os.path.join(path, "**", "log.jsonl"), recursive=True))
+    if jsonl:
+        return jsonl[0]
+    for candidate in sorted(glob.glob(os.path.join(path, "**", "*.log"), recursive=True)) + \
+            sorted(glob.glob(os.path.join(path, "**", "*.out"), recursive=True)):
+        with open(candidate, encoding="utf-8", errors="replace") as f:
+            if parse_text(f.readlines()):
+                return candidate
+    raise UserError(f"{path}: no log.jsonl and no *.log / *.out with iteration lines in this directory")
+
+
+def _parse_jsonl(path: str, lines: List[str]) -> List[Dict[str, float]]:
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            raise UserError(f"{path}:{number}: not a JSON record (a half-written or damaged log)") from None
+        if not isinstance(record, dict) or "iteration" not in record:
+            raise UserError(f"{path}:{number}: not an iteration record (no 'iteration' key)")
+        records.append(record)
+    return records
 
 
 def summarize(records: List[Dict[str, float]], warmup: int = 2) -> Dict[str, Optional[float]]:

@@ -10,11 +10,15 @@ Megatron-LM (core_v0.16.1) arguments this project understands, plus ``tsp_size``
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional
 
 import yaml
+
+from megatron_tsp.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -22,6 +26,8 @@ class Arg:
     type: type
     default: Any
     help: str
+    # Megatron-LM's flag where it is not ``--`` + the key with dashes (on-by-default switches)
+    flag: Optional[str] = None
 
 
 def _b(help_: str) -> Arg:
@@ -80,6 +86,8 @@ ARGUMENTS: Dict[str, Arg] = {
     "recompute_method": Arg(str, None, "uniform or block"),
     "recompute_num_layers": Arg(int, None, "layers per recompute unit"),
     "log_interval": Arg(int, 1, "iterations between log lines"),
+    "check_for_nan_in_loss_and_grad": Arg(bool, True, "stop on a NaN/Inf loss or gradient norm",
+                                          flag="--no-check-for-nan-in-loss-and-grad"),
     # data
     "mock_data": _b("synthetic data"),
     "data_path": Arg(list, None, "megatron indexed dataset prefixes"),
@@ -97,54 +105,101 @@ ARGUMENTS: Dict[str, Arg] = {
 META_KEYS = ("extends",)
 
 
-class ConfigError(ValueError):
-    """A bad configuration; the message names the file and the key."""
-
-
 def load_config(path: str) -> Dict[str, Any]:
     """The merged key/value dict of ``path`` and the files it ``extends``."""
     return _load(os.path.abspath(path), seen=())
 
 
-def _load(path: str, seen: tuple) -> Dict[str, Any]:
-    if path in seen:
-        raise ConfigError(f"{path}: 'extends' cycle through {' -> '.join(seen)}")
+def read_yaml(path: str, extended_by: Optional[str] = None) -> Any:
+    """The parsed YAML file; one ConfigError line for a missing, unreadable or invalid file."""
+    by = f" (extended by {extended_by})" if extended_by else ""
     try:
         with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f) or {}
+            return yaml.safe_load(f)
     except FileNotFoundError:
-        raise ConfigError(f"config file not found: {path}") from None
+        raise ConfigError(f"config file not found: {path}{by}") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}{by}: is a directory; give a YAML config file") from None
+    except PermissionError:
+        raise ConfigError(f"{path}{by}: cannot be read (permission denied)") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}{by}: not a text file; a config is YAML") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark else path
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"{where}{by}: not valid YAML ({problem})") from None
+
+
+def _load(path: str, seen: tuple, extended_by: Optional[str] = None) -> Dict[str, Any]:
+    if path in seen:
+        raise ConfigError(f"{path}: 'extends' cycle through {' -> '.join(seen)}")
+    data = read_yaml(path, extended_by)
+    if data is None:
+        data = {}
     if not isinstance(data, dict):
-        raise ConfigError(f"{path}: a config is a mapping of Megatron-LM argument names to values")
+        raise ConfigError(f"{path}: a config is a mapping of Megatron-LM argument names to values "
+                          f"(got a {type(data).__name__})")
     merged: Dict[str, Any] = {}
     parent = data.pop("extends", None)
     if parent is not None:
-        merged.update(_load(os.path.join(os.path.dirname(path), parent), seen + (path,)))
-    check_keys(data, path)
-    merged.update(data)
+        if not isinstance(parent, str):
+            raise ConfigError(f"{path}: 'extends' must be the path of one config file (got {parent!r})")
+        merged.update(_load(os.path.join(os.path.dirname(path), parent), seen + (path,), path))
+    merged.update(typed(data, path))
     return merged
 
 
-def check_keys(values: Dict[str, Any], where: str) -> None:
+def typed(values: Dict[str, Any], where: str) -> Dict[str, Any]:
+    """``values`` with every key known and every value of its key's type.
+
+    A string is converted where Megatron-LM's command line would convert it: YAML reads
+    ``lr: 3e-3`` (no dot) as a string, ``--lr 3e-3`` is a float. A single ``data_path``
+    string is a one-element list.
+    """
+    out = {}
     for key, value in values.items():
         if key not in ARGUMENTS:
             raise ConfigError(f"{where}: unknown key '{key}' (not a supported Megatron-LM argument)")
         arg = ARGUMENTS[key]
+        if isinstance(value, str) and arg.type in (int, float):
+            try:
+                value = arg.type(value)
+            except ValueError:
+                pass
+        elif isinstance(value, str) and arg.type is list:
+            value = [value]
         ok = value is None or isinstance(value, arg.type) or (arg.type is float and isinstance(value, int))
-        if arg.type is int and isinstance(value, bool):
+        if arg.type in (int, float) and isinstance(value, bool):
             ok = False
         if not ok:
             raise ConfigError(f"{where}: key '{key}' must be {arg.type.__name__} (got {value!r})")
+        out[key] = value
+    return out
+
+
+def _flag(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
+def _named(key: str) -> str:
+    """How a message names a setting: the config key and the command-line flag."""
+    return f"'{key}' ({_flag(key)})"
 
 
 def resolve(values: Dict[str, Any]) -> argparse.Namespace:
-    """All arguments with defaults filled in and derived values set; checks combinations."""
+    """All arguments with defaults filled in and derived values set; checks values and
+    combinations (one :class:`ConfigError` naming the key)."""
     args = {key: arg.default for key, arg in ARGUMENTS.items()}
     args.update(values)
     ns = argparse.Namespace(**args)
+    check_values(ns)
     if ns.ffn_hidden_size is None:
         ns.ffn_hidden_size = 4 * ns.hidden_size
     if ns.kv_channels is None:
+        if ns.hidden_size % ns.num_attention_heads:
+            raise ConfigError(f"{_named('hidden_size')} {ns.hidden_size} must be divisible by "
+                              f"num_attention_heads {ns.num_attention_heads}, or set kv_channels")
         ns.kv_channels = ns.hidden_size // ns.num_attention_heads
     if ns.num_query_groups is None or not ns.group_query_attention:
         ns.num_query_groups = ns.num_attention_heads
@@ -158,10 +213,70 @@ def resolve(values: Dict[str, Any]) -> argparse.Namespace:
     return ns
 
 
+POSITIVE_INTS = (
+    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+    "seq_length", "max_position_embeddings", "rotary_base", "tsp_size", "tensor_model_parallel_size",
+    "context_parallel_size", "pipeline_model_parallel_size", "micro_batch_size", "global_batch_size",
+    "train_iters", "lr_decay_iters", "recompute_num_layers", "log_interval", "vocab_size",
+    "make_vocab_size_divisible_by", "save_interval",
+)
+NON_NEGATIVE = ("lr", "min_lr", "lr_warmup_iters", "weight_decay", "clip_grad", "seed")
+POSITIVE_FLOATS = ("init_method_std", "norm_epsilon")
+FRACTIONS = ("attention_dropout", "hidden_dropout", "adam_beta1", "adam_beta2")  # in [0, 1)
+CHOICES = {
+    "position_embedding_type": ("rope", "learned_absolute"),
+    "normalization": ("LayerNorm", "RMSNorm"),
+    "lr_decay_style": ("constant", "linear", "cosine", "inverse-square-root"),
+    "recompute_granularity": (None, "full", "selective"),
+    "recompute_method": (None, "uniform", "block"),
+}
+
+
+def check_values(ns: argparse.Namespace) -> None:
+    """Each value on its own: sizes positive, rates finite, choices known."""
+    def bad(key: str, must: str) -> ConfigError:
+        return ConfigError(f"{_named(key)} must be {must} (got {getattr(ns, key)!r})")
+
+    for key in POSITIVE_INTS:
+        value = getattr(ns, key)
+        if value is not None and value < 1:
+            raise bad(key, "a positive integer")
+    for key in NON_NEGATIVE + POSITIVE_FLOATS + FRACTIONS:
+        if not math.isfinite(getattr(ns, key)):
+            raise bad(key, "a finite number")
+    for key in NON_NEGATIVE:
+        if getattr(ns, key) < 0:
+            raise bad(key, ">= 0")
+    for key in POSITIVE_FLOATS:
+        if getattr(ns, key) <= 0:
+            raise bad(key, "> 0")
+    for key in FRACTIONS:
+        if not 0 <= getattr(ns, key) < 1:
+            raise bad(key, "in [0, 1)")
+    for key, choices in CHOICES.items():
+        if getattr(ns, key) not in choices:
+            raise bad(key, "one of " + ", ".join(str(c) for c in choices if c is not None))
+    if ns.min_lr > ns.lr:
+        raise bad("min_lr", f"<= lr {ns.lr}")
+    parts = ns.split.split(",")
+    if len(parts) != 3 or not all(re.fullmatch(r"\d+(\.\d*)?", p.strip()) for p in parts) \
+            or float(parts[0]) <= 0:
+        raise bad("split", "three numbers train,valid,test with train > 0, for example 99,1,0")
+
+
 def model_parallel_size(ns: argparse.Namespace) -> int:
     """Ranks of one model replica: TSP x TP x CP x PP."""
     return (ns.tsp_size * ns.tensor_model_parallel_size * ns.context_parallel_size
             * ns.pipeline_model_parallel_size)
+
+
+def check_world_size(ns: argparse.Namespace, world_size: int, source: str) -> None:
+    """``world_size`` ranks (``source`` says where that number came from) hold whole replicas."""
+    model_parallel = model_parallel_size(ns)
+    if world_size % model_parallel:
+        raise ConfigError(
+            f"world size {world_size} ({source}) is not a multiple of the model-parallel size {model_parallel} "
+            f"(tsp_size x tensor x context x pipeline parallel sizes); use {model_parallel} ranks or a multiple")
 
 
 def check_combinations(ns: argparse.Namespace) -> None:
@@ -180,28 +295,28 @@ def check_combinations(ns: argparse.Namespace) -> None:
          "must be divisible by tsp_size x tensor_model_parallel_size"),
         (ns.num_query_groups % (d * ns.tensor_model_parallel_size) == 0, "num_query_groups",
          "must be divisible by tsp_size x tensor_model_parallel_size"),
+        (ns.num_attention_heads % ns.num_query_groups == 0, "num_query_groups",
+         "must divide num_attention_heads"),
         (ns.ffn_hidden_size % (d * ns.tensor_model_parallel_size) == 0, "ffn_hidden_size",
          "must be divisible by tsp_size x tensor_model_parallel_size"),
         (ns.seq_length % (2 * d * ns.context_parallel_size) == 0 or (d == 1 and ns.context_parallel_size == 1),
          "seq_length", "must be divisible by 2 x tsp_size (zigzag) and 2 x context_parallel_size"),
+        (ns.position_embedding_type != "learned_absolute" or ns.max_position_embeddings >= ns.seq_length,
+         "max_position_embeddings", "must be at least seq_length with learned_absolute positions"),
         (d == 1 or ns.attention_dropout == 0, "attention_dropout", "must be 0 with tsp_size > 1"),
-        (ns.position_embedding_type in ("rope", "learned_absolute"), "position_embedding_type",
-         "must be rope or learned_absolute"),
-        (ns.normalization in ("LayerNorm", "RMSNorm"), "normalization", "must be LayerNorm or RMSNorm"),
         (not (ns.bf16 and ns.fp16), "bf16", "cannot be combined with fp16"),
         (ns.mock_data or ns.data_path, "data_path", "is required unless mock_data is true"),
-        (ns.recompute_granularity in (None, "full", "selective"), "recompute_granularity",
-         "must be full or selective"),
         (ns.recompute_granularity != "full" or ns.recompute_method in ("uniform", "block"),
          "recompute_method", "must be uniform or block with recompute_granularity full"),
-        (ns.lr_warmup_iters < ns.lr_decay_iters, "lr_warmup_iters", "must be below lr_decay_iters "
-         "(default train_iters)"),
+        (ns.lr_warmup_iters < ns.lr_decay_iters, "lr_warmup_iters",
+         f"must be below lr_decay_iters {ns.lr_decay_iters} (default: train_iters, here {ns.train_iters}); "
+         "lower the warm-up or raise --train-iters / --lr-decay-iters"),
         (ns.tokenizer_type != "NullTokenizer" or ns.vocab_size, "vocab_size",
          "is required with tokenizer_type NullTokenizer"),
     ]
     for ok, key, message in checks:
         if not ok:
-            raise ConfigError(f"'{key}' {message} (got {getattr(ns, key)!r})")
+            raise ConfigError(f"{_named(key)} {message} (got {getattr(ns, key)!r})")
 
 
 def to_megatron_flags(values: Dict[str, Any]) -> List[str]:
@@ -210,15 +325,18 @@ def to_megatron_flags(values: Dict[str, Any]) -> List[str]:
     for key, value in values.items():
         if key in META_KEYS or value is None:
             continue
-        flag = "--" + key.replace("_", "-")
-        if isinstance(value, bool):
+        arg = ARGUMENTS[key]
+        if arg.flag:  # an on-by-default switch: Megatron-LM only has its --no- flag
+            if value != arg.default:
+                flags.append(arg.flag)
+        elif isinstance(value, bool):
             if value:
-                flags.append(flag)
+                flags.append(_flag(key))
         elif isinstance(value, list):
-            flags.append(flag)
+            flags.append(_flag(key))
             flags.extend(str(v) for v in value)
         else:
-            flags.extend([flag, str(value)])
+            flags.extend([_flag(key), str(value)])
     return flags
 
 
@@ -226,13 +344,15 @@ def add_arguments(parser: argparse.ArgumentParser, keys: Optional[Iterable[str]]
     """Megatron-style ``--flag`` overrides for every config key (default: unset)."""
     for key in keys or ARGUMENTS:
         arg = ARGUMENTS[key]
-        flag = "--" + key.replace("_", "-")
-        if arg.type is bool:
-            parser.add_argument(flag, dest=key, action="store_const", const=True, default=None, help=arg.help)
+        if arg.flag:
+            parser.add_argument(arg.flag, dest=key, action="store_const", const=not arg.default, default=None,
+                                help=f"turn off: {arg.help}")
+        elif arg.type is bool:
+            parser.add_argument(_flag(key), dest=key, action="store_const", const=True, default=None, help=arg.help)
         elif arg.type is list:
-            parser.add_argument(flag, dest=key, nargs="+", default=None, help=arg.help)
+            parser.add_argument(_flag(key), dest=key, nargs="+", default=None, help=arg.help)
         else:
-            parser.add_argument(flag, dest=key, type=arg.type, default=None, help=arg.help)
+            parser.add_argument(_flag(key), dest=key, type=arg.type, default=None, help=arg.help)
 
 
 def overrides(ns: argparse.Namespace) -> Dict[str, Any]:

@@ -19,8 +19,10 @@ import numpy
 import torch
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
-from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
+
+from megatron_tsp.errors import ConfigError, DataError
 
 TINY_CORPUS_NAME = "tsp-tiny-corpus"
 BYTE_VOCAB = 256
@@ -65,8 +67,40 @@ def ensure_corpus(prefixes: List[str]) -> None:
 def tokenizer_for(args) -> NullTokenizer:
     """Byte-level corpora and mock data use megatron's NullTokenizer (ids as given)."""
     if args.tokenizer_type != "NullTokenizer":
-        raise ValueError(f"tokenizer_type {args.tokenizer_type!r} is not supported by megatron-tsp train; use NullTokenizer")
+        raise ConfigError(f"'tokenizer_type' (--tokenizer-type) {args.tokenizer_type!r} is not supported by "
+                          "megatron-tsp train: use NullTokenizer (pre-tokenized ids), or Megatron-LM's pretrain_gpt.py")
     return NullTokenizer(args.vocab_size)
+
+
+def check_corpus(prefixes: List[str], vocab_size: int) -> None:
+    """Each ``--data-path`` prefix is a complete megatron indexed dataset whose token ids are
+    below ``vocab_size``: one :class:`DataError` line otherwise. Reads the ``.bin`` once
+    (memory-mapped, about a second per GB)."""
+    for prefix in prefixes:
+        idx, bin_ = prefix + ".idx", prefix + ".bin"
+        missing = [p for p in (idx, bin_) if not os.path.isfile(p)]
+        if missing:
+            raise DataError(f"--data-path {prefix}: {' and '.join(missing)} not found (a prefix names a "
+                            "megatron .bin/.idx pair)")
+        if os.path.getsize(bin_) == 0:
+            raise DataError(f"{bin_}: empty, the dataset holds no tokens")
+        try:
+            dataset = IndexedDataset(prefix, multimodal=False, mmap=True)
+        except Exception as exc:  # noqa: BLE001 - megatron asserts on a bad header, numpy on a short file
+            raise DataError(f"{idx}: not a readable megatron index ({type(exc).__name__}: {exc})") from None
+        index = dataset.index
+        if len(index) == 0:
+            raise DataError(f"{idx}: the index lists no sequences (an empty dataset)")
+        tokens = int(index.sequence_pointers[-1]) // index.dtype_size + int(index.sequence_lengths[-1])
+        size = os.path.getsize(bin_)
+        if size < tokens * index.dtype_size:
+            raise DataError(f"{bin_}: {size} bytes, its index needs {tokens * index.dtype_size} (truncated); "
+                            "rebuild the dataset")
+        ids = numpy.memmap(bin_, dtype=index.dtype, mode="r", shape=(tokens,))
+        largest = max(int(ids[i:i + (1 << 26)].max()) for i in range(0, tokens, 1 << 26))
+        if largest >= vocab_size:
+            raise DataError(f"{bin_}: token id {largest} is outside the vocabulary of {vocab_size} ids "
+                            f"(--vocab-size {vocab_size - 1} + end-of-document); set --vocab-size {largest} or more")
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel: int) -> int:

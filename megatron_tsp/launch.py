@@ -3,7 +3,12 @@
 Used by the tests (one long-lived pool per world size, so worker start-up and imports are
 paid once) and by ``megatron-tsp train --nproc N`` on a machine without torchrun. A rank
 that raises, dies or runs past its deadline takes the whole pool down and the caller gets
-the first failing rank's traceback: a hang becomes an error message, never a stuck job.
+the first failing rank's error: a hang becomes an error message, never a stuck job.
+
+A rank that stops answering (stopped, deadlocked) makes the others fail in their next
+collective after the collective timeout; the error then names the ranks that did not report
+(the culprit), and says so when the operating system has the process stopped. Workers ignore
+Ctrl-C: the parent gets it and kills them.
 """
 
 from __future__ import annotations
@@ -20,14 +25,46 @@ from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, List, Optional
 
 DEFAULT_TIMEOUT_S = 300.0
+# After a rank's collective timed out, how long to wait for the other ranks' reports: the
+# ones that stay silent are the ones that stopped answering.
+_STRAGGLER_GRACE_S = 5.0
 
 
 class RankError(RuntimeError):
-    """A rank raised; the message carries its traceback."""
+    """A rank failed. ``str()`` carries its traceback; ``summary`` is the one line for a user
+    (rank, error, and which ranks stopped answering), ``traceback`` the full text."""
+
+    def __init__(self, message: str, rank: int, summary: str, traceback_text: str = "",
+                 user_error: bool = False):
+        super().__init__(message)
+        self.rank = rank
+        self.summary = summary
+        self.traceback = traceback_text
+        self.user_error = user_error  # the rank raised a UserError: its line says it all
 
 
 class PoolTimeout(TimeoutError):
     """Some rank did not answer before the deadline; the pool was killed."""
+
+
+def _report(exc: BaseException) -> tuple:
+    """(one line for a user, the traceback, whether it is a UserError) of a rank's exception:
+    a UserError's own message, else the exception's type and the last line of its message."""
+    from megatron_tsp.errors import UserError
+
+    text = str(exc).strip().splitlines()
+    if isinstance(exc, UserError):
+        return text[0] if text else type(exc).__name__, traceback.format_exc(), True
+    return f"{type(exc).__name__}: {text[-1] if text else ''}".rstrip(": "), traceback.format_exc(), False
+
+
+def _exit_reason(code: Optional[int]) -> str:
+    if code is not None and code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
 
 
 def free_port() -> int:
@@ -80,6 +117,7 @@ def _worker(rank: int, world_size: int, port: int, conn: Connection, path: List[
             collective_timeout_s: float) -> None:
     sys.path[:] = path
     _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     import torch.distributed as dist
@@ -108,8 +146,8 @@ def _worker(rank: int, world_size: int, port: int, conn: Connection, path: List[
                                     rank=rank, world_size=world_size, timeout=timeout)
             result = fn(*args, **kwargs)
             conn.send(("ok", result))
-        except BaseException:  # noqa: BLE001 - the parent decides what to do with it
-            conn.send(("err", traceback.format_exc()))
+        except BaseException as exc:  # noqa: BLE001 - the parent decides what to do with it
+            conn.send(("err", _report(exc)))
         finally:
             _reset()
 
@@ -149,6 +187,12 @@ class WorkerPool:
                 os.environ["PYTHONWARNINGS"] = saved_warnings
         self._collect("start-up", start_timeout_s)
 
+    def __enter__(self) -> "WorkerPool":
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        self.close(kill=exc_type is not None)  # a failure or Ctrl-C: no waiting for busy ranks
+
     @property
     def alive(self) -> bool:
         return bool(self._procs) and all(p.is_alive() for p in self._procs)
@@ -164,14 +208,18 @@ class WorkerPool:
         results: List[Optional[tuple]] = [None] * self.world_size
         pending = {conn: rank for rank, conn in enumerate(self._conns)}
         sentinels = {p.sentinel: rank for rank, p in enumerate(self._procs)}
+        failed: Optional[int] = None
         while pending:
             left = deadline - time.monotonic()
             if left <= 0:
+                if failed is not None:
+                    break
                 ranks = sorted(pending.values())
+                stopped = self._stopped(ranks)
                 self.close(kill=True)
                 raise PoolTimeout(
                     f"{what}: rank(s) {ranks} of {self.world_size} did not finish within "
-                    f"{timeout_s:.0f}s; the worker pool was killed"
+                    f"{timeout_s:.0f}s{stopped}; the worker pool was killed"
                 )
             ready = wait(list(pending) + list(sentinels), timeout=left)
             for obj in ready:
@@ -180,16 +228,43 @@ class WorkerPool:
                     try:
                         results[rank] = obj.recv()
                     except EOFError:
-                        results[rank] = ("err", f"rank {rank} exited without a result")
-                    if results[rank][0] == "err":
-                        self.close(kill=True)
-                        raise RankError(f"{what} failed on rank {rank}:\n{results[rank][1]}")
+                        self._procs[rank].join(timeout=5)
+                        reason = f"rank {rank} {_exit_reason(self._procs[rank].exitcode)} without a result"
+                        results[rank] = ("err", (reason, reason, False))
+                    if results[rank][0] == "err" and failed is None:
+                        failed = rank
+                        if "timed out" not in results[rank][1][0].lower():
+                            pending.clear()
+                            break
+                        # a collective timed out: give the others a moment to report theirs
+                        deadline = min(deadline, time.monotonic() + _STRAGGLER_GRACE_S)
                 elif obj in sentinels and sentinels[obj] in pending.values():
-                    rank = sentinels[obj]
-                    code = self._procs[rank].exitcode
+                    rank = sentinels.pop(obj)
+                    self._procs[rank].join(timeout=5)
+                    reason = f"rank {rank} {_exit_reason(self._procs[rank].exitcode)}"
                     self.close(kill=True)
-                    raise RankError(f"{what}: rank {rank} died (exit code {code})")
+                    raise RankError(f"{what}: {reason}", rank, reason)
+        if failed is not None:
+            summary, text, user_error = results[failed][1]
+            quiet = sorted(pending.values())
+            silent = f"; rank(s) {quiet} stopped answering{self._stopped(quiet)}" if quiet else ""
+            self.close(kill=True)
+            raise RankError(f"{what} failed on rank {failed}{silent}:\n{text}", failed,
+                            f"rank {failed}: {summary}{silent}", text, user_error and not silent)
         return [r[1] for r in results]
+
+    def _stopped(self, ranks: List[int]) -> str:
+        """Which of ``ranks`` the operating system has stopped (SIGSTOP, a debugger), as text."""
+        import psutil
+
+        stopped = []
+        for rank in ranks:
+            try:
+                if psutil.Process(self._procs[rank].pid).status() == psutil.STATUS_STOPPED:
+                    stopped.append(rank)
+            except psutil.NoSuchProcess:
+                pass
+        return f" (process of rank(s) {stopped} is stopped, SIGSTOP?)" if stopped else ""
 
     def close(self, kill: bool = False) -> None:
         for conn, proc in zip(self._conns, self._procs):

@@ -246,6 +246,7 @@ def plan(values: Dict, mode: str, world_size: Optional[int] = None, cp: int = 2,
     ``world_size`` job (default: one replica), at full size, under FakeTensorMode."""
     args, model_parallel = _args(values, mode, cp)
     world_size = world_size or model_parallel
+    cfg.check_world_size(args, world_size, "--world-size, or nodes x gpus_per_node")
     with _fake_world(world_size):
         return _run(args, world_size, StorageTracker(fake_scalars=True), attention_backend, fake=True)
 
@@ -338,6 +339,9 @@ def plan_modes(config_path: str, modes: List[str], world_size: Optional[int] = N
                overrides: Optional[Dict] = None) -> Dict:
     values = cfg.load_config(config_path)
     values.update(overrides or {})
+    for mode in modes:  # every mode's arguments are checked before the first (slow) plan
+        args, model_parallel = _args(values, mode, cp)
+        cfg.check_world_size(args, world_size or model_parallel, "--world-size")
     results = {mode: plan(copy.deepcopy(values), mode, world_size, cp) for mode in modes}
     seq = cfg.resolve(mode_values(values, modes[0], cp)).seq_length
     from megatron_tsp.env import run_record

@@ -34,10 +34,10 @@ import copy
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
-import yaml
 
 from megatron_tsp import config as cfg
 from megatron_tsp import flops as flops_formula
+from megatron_tsp import memory
 from megatron_tsp.env import run_record
 
 INTRA_NODE_GROUPS = ("tp", "cp", "tsp_weight")
@@ -68,9 +68,26 @@ class Hardware:
     inter_node_latency_us: float
 
 
+_HARDWARE_KEYS = tuple(Hardware.__dataclass_fields__)
+
+
 def load_hardware(path: str) -> Hardware:
-    with open(path, encoding="utf-8") as f:
-        return Hardware(**yaml.safe_load(f))
+    """A hardware profile (``configs/hardware/*.yaml``); one ConfigError line naming the file
+    and the key when it is missing, not YAML, or lacks or mistypes a key."""
+    values = cfg.read_yaml(path)
+    if not isinstance(values, dict):
+        raise cfg.ConfigError(f"{path}: a hardware profile is a mapping of {', '.join(_HARDWARE_KEYS)}")
+    missing = [k for k in _HARDWARE_KEYS if k not in values]
+    unknown = [k for k in values if k not in _HARDWARE_KEYS]
+    if missing or unknown:
+        what = f"missing {', '.join(missing)}" if missing else f"unknown key(s) {', '.join(unknown)}"
+        raise cfg.ConfigError(f"{path}: {what}; a hardware profile has the keys of configs/hardware/h100.yaml")
+    for key, value in values.items():
+        if key == "name":
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+            raise cfg.ConfigError(f"{path}: '{key}' must be a positive number (got {value!r})")
+    return Hardware(**values)
 
 
 def _sub(a: Dict, b: Dict, scale: float = 1.0) -> Dict:
@@ -89,8 +106,6 @@ def _axpy(base: Dict, per_layer: Dict, layers: int) -> Dict:
 
 def layer_counts(values: Dict, mode: str, world_size: Optional[int] = None, cp: int = 2) -> Dict:
     """FLOPs and comm counts of one micro-batch step: ``{"base": ..., "per_layer": ...}``."""
-    from megatron_tsp import memory
-
     def counts(layers):
         v = dict(values, num_layers=layers)
         plan = memory.plan(copy.deepcopy(v), mode, world_size, cp)
@@ -147,6 +162,8 @@ def predict(config_path: str, hw: Hardware, nodes: int = 1, modes: List[str] = (
     results: Dict = {"setup": run_record(config=config_path), "config": config_path,
                      "hardware": hw.__dict__, "nodes": nodes, "modes": {}}
     base_seq = cfg.resolve(values).seq_length
+    for mode in modes:  # every mode's arguments are checked before the first (slow) count
+        cfg.check_world_size(cfg.resolve(memory.mode_values(values, mode, cp)), world, "--nodes x gpus_per_node")
     for mode in modes:
         results["modes"][mode] = _evaluate(values, mode, hw, world, cp)
     if seq_lengths:
@@ -164,9 +181,7 @@ def predict(config_path: str, hw: Hardware, nodes: int = 1, modes: List[str] = (
 
 
 def _evaluate(values: Dict, mode: str, hw: Hardware, world: int, cp: int, brief: bool = False) -> Dict:
-    from megatron_tsp.memory import mode_values
-
-    args = cfg.resolve(mode_values(values, mode, cp))
+    args = cfg.resolve(memory.mode_values(values, mode, cp))
     counts = layer_counts(values, mode, world, cp)
     total = totals_for(counts, args.num_layers)
     d = counts["parallel"]

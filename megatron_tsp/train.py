@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import resource
 import time
@@ -32,6 +33,7 @@ from megatron_tsp import checkpointing, data, training
 from megatron_tsp.baselines import get_gpt_layer_baseline_spec
 from megatron_tsp.compat import enable_cpu_support
 from megatron_tsp.env import transformer_engine_version
+from megatron_tsp.errors import TrainingStopped
 from megatron_tsp.flops import flops_per_sequence_from_args
 from megatron_tsp.zigzag import zigzag_batch
 
@@ -92,6 +94,30 @@ def layer_spec(args, attention_backend: str = "auto", config: Optional[Transform
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_layernorm)
     return get_gpt_layer_baseline_spec(qk_layernorm=args.qk_layernorm, normalization=args.normalization,
                                        attention_backend=attention_backend)
+
+
+def model_args(args) -> Dict[str, Any]:
+    """The arguments that decide the model's parameters and their shapes (not how it is split
+    or trained): saved with a checkpoint and compared at load."""
+    keys = ["num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+            "kv_channels", "position_embedding_type", "normalization", "swiglu", "disable_bias_linear",
+            "add_qkv_bias", "qk_layernorm", "untie_embeddings_and_output_weights"]
+    if args.position_embedding_type == "learned_absolute":
+        keys.append("max_position_embeddings")
+    out = {key: getattr(args, key) for key in keys}
+    out["padded_vocab_size"] = data.padded_vocab(args)
+    return out
+
+
+def check_finite(args, iteration: int, loss: float, grad_norm: float) -> None:
+    """Megatron-LM's ``--check-for-nan-in-loss-and-grad`` (on by default): stop on a NaN/Inf
+    loss or gradient norm (the same on every rank, so every rank stops) before it is saved."""
+    finite = math.isfinite(loss) and (args.clip_grad == 0 or math.isfinite(grad_norm))
+    if args.check_for_nan_in_loss_and_grad and not finite:
+        raise TrainingStopped(
+            f"iteration {iteration}: lm loss {loss}, grad norm {grad_norm}: not finite, training stopped "
+            f"(nothing saved from this step). Usual causes: a damaged checkpoint, --lr {args.lr} too high, "
+            f"fp16 overflow; --no-check-for-nan-in-loss-and-grad turns this check off")
 
 
 def batch_transform(args):
@@ -194,16 +220,12 @@ def build(args, attention_backend: str = "auto", clip_grad: Optional[float] = No
     return config, model, optimizer
 
 
-def train(args, log_path: Optional[str] = None) -> Dict[str, Any]:
-    """Run on every rank of an initialised process group; returns the last log record."""
-    initialize(args)
+def train(args, log_path: Optional[str] = None, collective_timeout_min: float = 10.0) -> Dict[str, Any]:
+    """Run on every rank of an initialised process group whose job passed
+    ``preflight.check_run`` (data present, batch sizes dividing); returns the last log record."""
+    initialize(args, distributed_timeout_minutes=collective_timeout_min)
     dp, dp_rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
     global_batch = args.global_batch_size or args.micro_batch_size * dp
-    if global_batch % (args.micro_batch_size * dp):
-        raise ValueError(
-            f"--global-batch-size {global_batch} is not divisible by --micro-batch-size x data-parallel "
-            f"size = {args.micro_batch_size * dp}; change one of them"
-        )
     num_microbatches = global_batch // (args.micro_batch_size * dp)
     config, model, optimizer = build(args)
     vocab = data.padded_vocab(args)
@@ -217,7 +239,8 @@ def train(args, log_path: Optional[str] = None) -> Dict[str, Any]:
     start = 0
     resume_from = checkpointing.latest(args.load)
     if resume_from:
-        common, rng = checkpointing.load(resume_from, model, optimizer, per_rank=True)
+        resume_from, _ = resume_from
+        common, rng = checkpointing.load(resume_from, model, optimizer, per_rank=True, model_args=model_args(args))
         start = common["iteration"]
         scheduler.load_state_dict(common["scheduler"])
         if rng is not None:
@@ -227,10 +250,6 @@ def train(args, log_path: Optional[str] = None) -> Dict[str, Any]:
     elif args.load and dist.get_rank() == 0:
         print(f" no checkpoint in {args.load}; starting from scratch", flush=True)
 
-    if not args.mock_data:
-        if dist.get_rank() == 0:
-            data.ensure_corpus(args.data_path)
-        dist.barrier()
     dataset = data.build_train_dataset(args, args.train_iters * global_batch, dp)
     transform = batch_transform(args)
     flops_per_step = flops_per_sequence_from_args(args, vocab) * global_batch
@@ -242,9 +261,10 @@ def train(args, log_path: Optional[str] = None) -> Dict[str, Any]:
         result = training.train_step(model, optimizer, batches, num_microbatches, args.seq_length,
                                      args.micro_batch_size, batch_transform=transform)
         elapsed = time.perf_counter() - t0
+        done = iteration + 1
+        check_finite(args, done, result["loss"], result["grad_norm"])
         lr = optimizer.param_groups[0]["lr"]
         scheduler.step(increment=1)
-        done = iteration + 1
         record = {
             "iteration": done, "train_iters": args.train_iters,
             "consumed_samples": done * global_batch, "global_batch_size": global_batch,
@@ -259,7 +279,8 @@ def train(args, log_path: Optional[str] = None) -> Dict[str, Any]:
         if args.save and (done == args.train_iters or (args.save_interval and done % args.save_interval == 0)):
             path = checkpointing.save_iteration(
                 args.save, done, model, optimizer,
-                common={"iteration": done, "scheduler": scheduler.state_dict()}, per_rank=_rng_state())
+                common={"iteration": done, "scheduler": scheduler.state_dict(), "model_args": model_args(args)},
+                per_rank=_rng_state())
             if dist.get_rank() == 0:
                 print(f" saved checkpoint {path}", flush=True)
     return record

@@ -1,9 +1,9 @@
-"""Checkpoints move between TSP sizes and TP+SP: the next steps' losses carry on.
+"""Checkpoints move between TSP sizes, D=1 and TP+SP: the next steps' losses carry on.
 
 A TSP=2 run saves model and optimizer after 3 steps and trains 2 more; the same checkpoint
-loaded into TSP=2 reproduces those 2 steps bit for bit, and loaded into TP=2+SP or TSP=4
-(different layouts, same tensors) reproduces them to 1e-5. A TP=2+SP checkpoint loads back
-into TSP=2 the same way.
+loaded into TSP=2 reproduces those 2 steps bit for bit, and loaded into TP=2+SP, TSP=4 or
+D=1 (one rank, or two ranks of data parallelism) reproduces them to 1e-5. TP=2+SP and D=1
+checkpoints load back into TSP=2 the same way.
 """
 
 import pytest
@@ -41,15 +41,17 @@ def test_same_layout_resumes_bit_exactly(ranks, tsp2_checkpoint):
         assert history == expected
 
 
-@pytest.mark.parametrize("mode,size", [("tp-sp", 2), ("tsp", 4)])
-def test_other_layouts_resume(ranks, tsp2_checkpoint, mode, size):
+@pytest.mark.parametrize("mode,size,world", [("tp-sp", 2, 2), ("tsp", 4, 4), ("single", 1, 1), ("single", 1, 2)],
+                         ids=["tp2-sp", "tsp4", "d1", "d1-dp2"])
+def test_other_layouts_resume(ranks, tsp2_checkpoint, mode, size, world):
     path, expected = tsp2_checkpoint
-    for history in ranks(size, _load_continue, mode, size, path):
+    for history in ranks(world, _load_continue, mode, size, path):
         assert_history_close(history, expected)
 
 
-def test_tp_sp_checkpoint_loads_into_tsp(ranks, tmp_path):
-    path = str(tmp_path / "tp2")
-    expected = ranks(2, _train_save_continue, "tp-sp", 2, path)[0]
+@pytest.mark.parametrize("mode,size", [("tp-sp", 2), ("single", 1)], ids=["tp2-sp", "d1"])
+def test_other_checkpoints_load_into_tsp(ranks, tmp_path, mode, size):
+    path = str(tmp_path / mode)
+    expected = ranks(size, _train_save_continue, mode, size, path)[0]
     for history in ranks(2, _load_continue, "tsp", 2, path):
         assert_history_close(history, expected)

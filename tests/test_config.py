@@ -3,6 +3,7 @@ shipped config checked against megatron-core's TransformerConfig."""
 
 import glob
 import os
+import re
 
 import pytest
 
@@ -38,23 +39,30 @@ def test_bad_files_name_the_key(tmp_path, text, message):
 
 @pytest.mark.parametrize("values,message", [
     (dict(tsp_size=2, tensor_model_parallel_size=2), "--tensor-model-parallel-size 1"),
-    (dict(tsp_size=2, seq_length=66), "'seq_length' must be divisible by 2 x tsp_size"),
-    (dict(tsp_size=2, attention_dropout=0.1), "'attention_dropout' must be 0"),
-    (dict(tsp_size=8, num_attention_heads=4), "'num_attention_heads' must be divisible"),
-    (dict(mock_data=False), "'data_path' is required"),
-    (dict(bf16=True, fp16=True), "'bf16' cannot be combined with fp16"),
+    (dict(tsp_size=2, seq_length=66), "'seq_length' (--seq-length) must be divisible by 2 x tsp_size"),
+    (dict(tsp_size=2, attention_dropout=0.1), "'attention_dropout' (--attention-dropout) must be 0"),
+    (dict(tsp_size=8, num_attention_heads=4), "'num_attention_heads' (--num-attention-heads) must be divisible"),
+    (dict(mock_data=False), "'data_path' (--data-path) is required"),
+    (dict(bf16=True, fp16=True), "'bf16' (--bf16) cannot be combined with fp16"),
+    (dict(hidden_size=66), "'hidden_size' (--hidden-size) 66 must be divisible by num_attention_heads 4"),
+    (dict(num_attention_heads=4, group_query_attention=True, num_query_groups=3),
+     "'num_query_groups' (--num-query-groups) must divide num_attention_heads"),
+    (dict(min_lr=0.1, lr=0.01), "'min_lr' (--min-lr) must be <= lr 0.01"),
 ])
 def test_impossible_combinations_name_the_key(values, message):
     base = dict(mock_data=True, vocab_size=256, attention_dropout=0.0)
     base.update(values)
-    with pytest.raises(config.ConfigError, match=message):
+    with pytest.raises(config.ConfigError, match=re.escape(message)):
         config.resolve(base)
 
 
 def test_flags_render_in_megatron_lm_form():
     flags = config.to_megatron_flags({"num_layers": 2, "swiglu": True, "bf16": False,
-                                      "data_path": ["a", "b"], "lr": 3e-4, "extends": "x"})
-    assert flags == ["--num-layers", "2", "--swiglu", "--data-path", "a", "b", "--lr", "0.0003"]
+                                      "data_path": ["a", "b"], "lr": 3e-4, "extends": "x",
+                                      "check_for_nan_in_loss_and_grad": False})
+    assert flags == ["--num-layers", "2", "--swiglu", "--data-path", "a", "b", "--lr", "0.0003",
+                     "--no-check-for-nan-in-loss-and-grad"]
+    assert config.to_megatron_flags({"check_for_nan_in_loss_and_grad": True}) == []
 
 
 @pytest.mark.parametrize("path", RUN_CONFIGS, ids=[os.path.relpath(c, ROOT) for c in RUN_CONFIGS])

@@ -1,0 +1,255 @@
+"""Every mistake a user can make before a rank starts is one line and a non-zero exit.
+
+Runs the ``megatron-tsp`` command line in this process: configuration files and values, the
+parent-side checks of ``train`` (world size, batch, tokenizer, data files, vocabulary,
+``--save``/``--load``), and the inputs of ``predict``, ``memory`` and ``compare``. Nothing
+here starts a rank, so each case takes milliseconds.
+"""
+
+import json
+import os
+import shutil
+
+import pytest
+
+from megatron_tsp import cli, data
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "configs", "tiny-cpu.yaml")
+MODEL_7B = os.path.join(ROOT, "configs", "7b", "128k-tsp8.yaml")
+H100 = os.path.join(ROOT, "configs", "hardware", "h100.yaml")
+
+
+def one_line(capsys, argv, code=None):
+    """Run the command; assert it failed with exactly one line on stderr and no traceback."""
+    try:
+        rc = cli.main(argv)
+    except SystemExit as exc:  # argparse
+        rc = exc.code
+    out = capsys.readouterr()
+    lines = out.err.strip().splitlines()
+    assert rc not in (0, None) and len(lines) == 1, (rc, out.out[-2000:], out.err[-4000:])
+    assert "Traceback" not in out.err + out.out
+    if code is not None:
+        assert rc == code, (rc, lines)
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return data.make_tiny_corpus(str(tmp_path_factory.mktemp("data") / "corpus"), num_docs=50)
+
+
+def _write(tmp_path, name, content, mode="w"):
+    path = tmp_path / name
+    with open(path, mode) as f:
+        f.write(content)
+    return str(path)
+
+
+# --- configuration files ------------------------------------------------------------------
+
+@pytest.mark.parametrize("content,mode,message", [
+    ("num_layers: [2,\n", "w", "not valid YAML"),
+    (bytes(range(256)) * 4, "wb", "not a text file"),
+    ("- 1\n- 2\n", "w", "a config is a mapping"),
+    ("extends: [base.yaml]\n", "w", "'extends' must be the path of one config file"),
+    ("extends: missing.yaml\n", "w", "missing.yaml (extended by"),
+    ("hiden_size: 64\n", "w", "unknown key 'hiden_size'"),
+    ("num_layers: two\n", "w", "key 'num_layers' must be int"),
+], ids=["yaml", "binary", "list", "extends-list", "missing-parent", "unknown-key", "type"])
+def test_bad_config_files(capsys, tmp_path, content, mode, message):
+    path = _write(tmp_path, "run.yaml", content, mode)
+    line = one_line(capsys, ["args", path], code=2)
+    assert message in line and "run.yaml" in line
+
+
+def test_a_directory_is_not_a_config(capsys, tmp_path):
+    assert "is a directory" in one_line(capsys, ["args", str(tmp_path)], code=2)
+
+
+def test_numbers_yaml_reads_as_strings_are_numbers(capsys, tmp_path):
+    path = _write(tmp_path, "run.yaml", f"extends: {TINY}\nlr: 3e-3\nmin_lr: 1e-4\n")
+    assert cli.main(["args", path]) == 0
+    assert "--lr 0.003" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--num-layers", "0"], "'num_layers' (--num-layers) must be a positive integer"),
+    (["--hidden-size", "-64"], "'hidden_size'"),
+    (["--num-attention-heads", "0"], "'num_attention_heads'"),
+    (["--micro-batch-size", "0"], "'micro_batch_size'"),
+    (["--global-batch-size", "0"], "'global_batch_size'"),
+    (["--seq-length", "0"], "'seq_length'"),
+    (["--vocab-size", "0"], "'vocab_size'"),
+    (["--ffn-hidden-size", "0"], "'ffn_hidden_size'"),
+    (["--num-query-groups", "0"], "'num_query_groups'"),
+    (["--make-vocab-size-divisible-by", "0"], "'make_vocab_size_divisible_by'"),
+    (["--tensor-model-parallel-size", "0"], "'tensor_model_parallel_size'"),
+    (["--context-parallel-size", "0"], "'context_parallel_size'"),
+    (["--tsp-size", "0"], "'tsp_size'"),
+    (["--lr", "-1"], "'lr' (--lr) must be >= 0"),
+    (["--lr", "nan"], "'lr' (--lr) must be a finite number"),
+    (["--lr-decay-style", "cosin"], "'lr_decay_style' (--lr-decay-style) must be one of constant, linear, cosine"),
+    (["--split", "99,1"], "'split' (--split) must be three numbers"),
+    (["--log-interval", "0"], "'log_interval'"),
+    (["--train-iters", "3"], "'lr_warmup_iters' (--lr-warmup-iters) must be below lr_decay_iters 3 "
+                             "(default: train_iters, here 3)"),
+])
+@pytest.mark.parametrize("command", ["args", "train"])
+def test_bad_values_name_the_key_before_anything_starts(capsys, command, flags, message):
+    assert message in one_line(capsys, [command, TINY, *flags], code=2)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--nproc", "0"], "argument --nproc: '0' is not a positive integer"),
+    (["--collective-timeout-min", "0"], "argument --collective-timeout-min"),
+])
+def test_bad_command_line_numbers(capsys, flags, message):
+    assert message in one_line(capsys, ["train", TINY, *flags], code=2)
+
+
+# --- what `train` checks before it starts a rank ----------------------------------------
+
+def _train(corpus, *flags):
+    return ["train", TINY, "--data-path", corpus, "--train-iters", "10", *flags]
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--nproc", "3"], "world size 3 (--nproc"),
+    (["--global-batch-size", "6"], "'global_batch_size' (--global-batch-size) 6 is not divisible by micro_batch_size 4"),
+    (["--tokenizer-type", "GPT2BPETokenizer"], "'tokenizer_type' (--tokenizer-type) 'GPT2BPETokenizer' is not supported"),
+    (["--vocab-size", "100"], "is outside the vocabulary of 101 ids (--vocab-size 100 + end-of-document)"),
+])
+def test_train_checks_the_job_before_starting_ranks(capsys, corpus, flags, message):
+    assert message in one_line(capsys, _train(corpus, *flags))
+
+
+def _broken_corpus(corpus, tmp_path, how):
+    prefix = str(tmp_path / "broken")
+    if how == "empty":
+        return data.make_tiny_corpus(prefix, num_docs=0)
+    shutil.copy(corpus + ".idx", prefix + ".idx")
+    if how == "truncated":
+        with open(corpus + ".bin", "rb") as f:
+            content = f.read()
+        with open(prefix + ".bin", "wb") as f:
+            f.write(content[: len(content) // 2])
+    elif how == "garbage-index":
+        shutil.copy(corpus + ".bin", prefix + ".bin")
+        with open(prefix + ".idx", "wb") as f:
+            f.write(b"not an index" * 10)
+    return prefix  # "no-bin": the .idx alone
+
+
+@pytest.mark.parametrize("how,message", [
+    ("no-bin", "broken.bin not found"),
+    ("empty", "empty, the dataset holds no tokens"),
+    ("truncated", "(truncated); rebuild the dataset"),
+    ("garbage-index", "not a readable megatron index"),
+])
+def test_train_checks_the_data_files(capsys, corpus, tmp_path, how, message):
+    prefix = _broken_corpus(corpus, tmp_path, how)
+    assert message in one_line(capsys, _train(prefix), code=1)
+
+
+def test_missing_data_path(capsys, tmp_path):
+    line = one_line(capsys, _train(str(tmp_path / "nothing")))
+    assert "nothing.idx and " in line and "not found" in line
+
+
+def test_save_that_cannot_be_written_fails_at_start(capsys, corpus, tmp_path):
+    blocker = _write(tmp_path, "a-file", "")
+    assert "--save " in one_line(capsys, _train(corpus, "--save", os.path.join(blocker, "ckpt")), code=2)
+
+
+def test_load_of_a_missing_path_is_an_error(capsys, corpus, tmp_path):
+    line = one_line(capsys, _train(corpus, "--load", str(tmp_path / "typo")), code=1)
+    assert "does not exist" in line and "start from scratch" in line
+
+
+@pytest.mark.parametrize("tracker", ["", "latest\n"])
+def test_load_with_a_damaged_tracker(capsys, corpus, tmp_path, tracker):
+    _write(tmp_path, "latest_checkpointed_iteration.txt", tracker)
+    assert "expected the iteration of the latest checkpoint" in one_line(
+        capsys, _train(corpus, "--load", str(tmp_path)), code=1)
+
+
+def test_load_of_a_finished_run_says_so(capsys, corpus, tmp_path):
+    _write(tmp_path, "latest_checkpointed_iteration.txt", "20")
+    os.makedirs(tmp_path / "iter_0000020")
+    assert cli.main(_train(corpus, "--load", str(tmp_path))) == 0
+    out = capsys.readouterr().out
+    assert "at iteration 20 and --train-iters is 10: the run is complete" in out
+
+
+# --- predict, memory, compare -----------------------------------------------------------
+
+@pytest.mark.parametrize("hardware,message", [
+    ("missing.yaml", "config file not found"),
+    ("- a\n", "a hardware profile is a mapping"),
+    ("name: x\npeak_tflops: 1\n", "missing gpus_per_node"),
+    ("binary", "not a text file"),
+])
+def test_predict_with_a_bad_hardware_file(capsys, tmp_path, hardware, message):
+    if hardware == "binary":
+        path = _write(tmp_path, "hw.yaml", bytes(range(256)), "wb")
+    elif hardware.endswith(".yaml"):
+        path = str(tmp_path / hardware)
+    else:
+        path = _write(tmp_path, "hw.yaml", hardware)
+    assert message in one_line(capsys, ["predict", MODEL_7B, "--hardware", path], code=2)
+
+
+def test_predict_with_a_mistyped_hardware_value(capsys, tmp_path):
+    with open(H100) as f:
+        text = f.read().replace("peak_tflops:", "peak_tflops: fast #")
+    path = _write(tmp_path, "hw.yaml", text)
+    assert "'peak_tflops' must be a positive number" in one_line(
+        capsys, ["predict", MODEL_7B, "--hardware", path], code=2)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--num-layers", "0"], "'num_layers' (--num-layers) must be a positive integer"),
+    (["--cp", "0"], "argument --cp"),
+    (["--world-size", "12"], "world size 12 (--world-size) is not a multiple of the model-parallel size 8"),
+    (["--modes", "tsp,fsdp"], "unknown mode 'fsdp'"),
+])
+def test_memory_checks_before_planning(capsys, flags, message):
+    assert message in one_line(capsys, ["memory", MODEL_7B, *flags], code=2)
+
+
+def test_memory_with_a_non_yaml_config(capsys, tmp_path):
+    path = _write(tmp_path, "c.yaml", "a: [\n")
+    assert "not valid YAML" in one_line(capsys, ["memory", path], code=2)
+
+
+@pytest.fixture
+def run_log(tmp_path):
+    records = [{"iteration": i, "elapsed_ms": 100.0 + i, "loss": 3.0 - 0.1 * i} for i in range(1, 6)]
+    return _write(tmp_path, "log.jsonl", "".join(json.dumps(r) + "\n" for r in records))
+
+
+@pytest.mark.parametrize("content,message", [
+    (None, "cannot be read"),
+    ("", "no iteration records"),
+    ('{"iteration": 1, "elapsed_ms": 1.0}\n{"iteration": 2, "ela', "log.jsonl:2: not a JSON record"),
+    ("[1, 2]\n", "not an iteration record"),
+], ids=["missing", "empty", "half-written", "garbled"])
+def test_compare_with_bad_logs(capsys, tmp_path, content, message):
+    path = str(tmp_path / "log.jsonl") if content is None else _write(tmp_path, "log.jsonl", content)
+    assert message in one_line(capsys, ["compare", path], code=1)
+
+
+def test_compare_of_a_directory_without_logs(capsys, tmp_path):
+    assert "no log.jsonl" in one_line(capsys, ["compare", str(tmp_path)], code=1)
+
+
+def test_compare_creates_the_markdown_folder(capsys, tmp_path, run_log):
+    target = tmp_path / "new" / "table.md"
+    assert cli.main(["compare", run_log, "--markdown", str(target)]) == 0
+    assert "| run |" in target.read_text()
+
+
+def test_compare_refuses_a_negative_warmup(capsys, run_log):
+    assert "argument --warmup" in one_line(capsys, ["compare", run_log, "--warmup", "-5"], code=2)
