@@ -22,7 +22,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
-from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
 from megatron_tsp.compat import enable_torch_adam_checkpoints
 from megatron_tsp.errors import CheckpointError
@@ -121,6 +122,7 @@ def load(path: str, model: List[torch.nn.Module], optimizer=None,
                               f"({type(exc).__name__}); the checkpoint is damaged") from exc
     _check_model_args(path, common.get("model_args"), model_args)
     state = _model_state(model)
+    _check_shapes(path, state)
     if optimizer is not None:
         _materialize_optimizer_state(optimizer)
         state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True, metadata=OPTIMIZER_METADATA)
@@ -144,11 +146,24 @@ def load(path: str, model: List[torch.nn.Module], optimizer=None,
 def _check_model_args(path: str, saved: Optional[Dict[str, Any]], expected: Optional[Dict[str, Any]]) -> None:
     if saved is None or expected is None:
         return
-    for key in sorted(set(saved) | set(expected)):
-        if saved.get(key) != expected.get(key):
-            raise CheckpointError(
-                f"checkpoint {path} is of another model: {key} {saved.get(key)!r} there, {expected.get(key)!r} "
-                f"in this run; load it with the same model arguments")
+    differ = [f"{key} {saved.get(key)!r} there, {expected.get(key)!r} in this run"
+              for key in saved.keys() | expected.keys() if saved.get(key) != expected.get(key)]
+    if differ:
+        raise CheckpointError(f"checkpoint {path} is of another model: {'; '.join(sorted(differ))}; "
+                              "load it with the same model arguments")
+
+
+def _check_shapes(path: str, state: Dict[str, Any]) -> None:
+    """dist_checkpointing loads a tensor saved with another global shape without a word
+    (a vocabulary padded differently, for one); refuse it, also for checkpoints that saved no
+    ``model_args`` (Megatron-LM's, older ones)."""
+    saved = dist_checkpointing.load_tensors_metadata(path)
+    for tensor in nested_values(state):
+        if isinstance(tensor, ShardedTensor) and tensor.key in saved:
+            there, here = tuple(saved[tensor.key].global_shape), tuple(tensor.global_shape)
+            if there != here:
+                raise CheckpointError(f"checkpoint {path} is of another model: {tensor.key} has shape {there} there, "
+                                      f"{here} in this run; load it with the same model arguments")
 
 
 def _crc32(path: str) -> int:

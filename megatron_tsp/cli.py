@@ -97,8 +97,10 @@ def _train_rank(args, log_path, collective_timeout_min):
 
 def _already_done(args, resume: Optional[int]) -> bool:
     if resume is not None and resume >= args.train_iters:
-        print(f"megatron-tsp train: the checkpoint in {args.load} is at iteration {resume} and --train-iters is "
-              f"{args.train_iters}: the run is complete, nothing to do (raise --train-iters to train on)", flush=True)
+        if os.environ.get("RANK", "0") == "0":  # under torchrun, once
+            print(f"megatron-tsp train: the checkpoint in {args.load} is at iteration {resume} and --train-iters is "
+                  f"{args.train_iters}: the run is complete, nothing to do (raise --train-iters to train on)",
+                  flush=True)
         return True
     return False
 

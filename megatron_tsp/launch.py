@@ -228,9 +228,7 @@ class WorkerPool:
                     try:
                         results[rank] = obj.recv()
                     except EOFError:
-                        self._procs[rank].join(timeout=5)
-                        reason = f"rank {rank} {_exit_reason(self._procs[rank].exitcode)} without a result"
-                        results[rank] = ("err", (reason, reason, False))
+                        self._died(what, rank)
                     if results[rank][0] == "err" and failed is None:
                         failed = rank
                         if "timed out" not in results[rank][1][0].lower():
@@ -239,11 +237,7 @@ class WorkerPool:
                         # a collective timed out: give the others a moment to report theirs
                         deadline = min(deadline, time.monotonic() + _STRAGGLER_GRACE_S)
                 elif obj in sentinels and sentinels[obj] in pending.values():
-                    rank = sentinels.pop(obj)
-                    self._procs[rank].join(timeout=5)
-                    reason = f"rank {rank} {_exit_reason(self._procs[rank].exitcode)}"
-                    self.close(kill=True)
-                    raise RankError(f"{what}: {reason}", rank, reason)
+                    self._died(what, sentinels.pop(obj))
         if failed is not None:
             summary, text, user_error = results[failed][1]
             quiet = sorted(pending.values())
@@ -252,6 +246,12 @@ class WorkerPool:
             raise RankError(f"{what} failed on rank {failed}{silent}:\n{text}", failed,
                             f"rank {failed}: {summary}{silent}", text, user_error and not silent)
         return [r[1] for r in results]
+
+    def _died(self, what: str, rank: int) -> None:
+        self._procs[rank].join(timeout=5)
+        reason = f"rank {rank} {_exit_reason(self._procs[rank].exitcode)}"
+        self.close(kill=True)
+        raise RankError(f"{what}: {reason}", rank, reason)
 
     def _stopped(self, ranks: List[int]) -> str:
         """Which of ``ranks`` the operating system has stopped (SIGSTOP, a debugger), as text."""

@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 
-from megatron_tsp import cli, data
+from megatron_tsp import cli, config, data, preflight
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "tiny-cpu.yaml")
@@ -173,6 +173,11 @@ def test_load_with_a_damaged_tracker(capsys, corpus, tmp_path, tracker):
     _write(tmp_path, "latest_checkpointed_iteration.txt", tracker)
     assert "expected the iteration of the latest checkpoint" in one_line(
         capsys, _train(corpus, "--load", str(tmp_path)), code=1)
+
+
+def test_load_of_an_empty_directory_starts_from_scratch(corpus, tmp_path):
+    values = dict(config.load_config(TINY), data_path=[corpus], load=str(tmp_path))
+    assert preflight.check_run(config.resolve(values), world_size=2) is None
 
 
 def test_load_of_a_finished_run_says_so(capsys, corpus, tmp_path):

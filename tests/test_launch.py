@@ -1,5 +1,7 @@
 """The multi-rank harness itself: results per rank, tracebacks, and timeouts."""
 
+import os
+import signal
 import time
 
 import pytest
@@ -21,6 +23,12 @@ def _fail_on_rank_1():
     dist.barrier()  # rank 0 waits forever: the pool must not
 
 
+def _kill_rank_1():
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(60)
+
+
 def _hang_on_rank_1():
     if dist.get_rank() == 1:
         time.sleep(3600)
@@ -38,6 +46,21 @@ def test_failure_reports_the_rank_traceback():
         pool.run(_fail_on_rank_1, timeout_s=60)
     assert time.monotonic() - start < 30
     assert not pool.alive
+
+
+def test_failure_summary_is_one_line():
+    pool = WorkerPool(2)
+    with pytest.raises(RankError) as failure:
+        pool.run(_fail_on_rank_1, timeout_s=60)
+    assert failure.value.summary == "rank 1: ValueError: boom on purpose"
+    assert "Traceback" in failure.value.traceback
+
+
+def test_a_killed_rank_names_its_signal():
+    pool = WorkerPool(2)
+    with pytest.raises(RankError) as failure:
+        pool.run(_kill_rank_1, timeout_s=60)
+    assert failure.value.summary == "rank 1 was killed by SIGKILL"
 
 
 def test_hang_becomes_a_timeout():

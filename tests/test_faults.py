@@ -1,0 +1,171 @@
+"""Faults injected into running jobs: each stops the job with one line, nothing hangs.
+
+A NaN in one rank's gradient stops training at that iteration before anything is saved; a
+rank that stops answering (SIGSTOP) fails the job within the collective timeout, naming the
+rank; damaged checkpoints and checkpoints of another model (also ones that saved no model
+arguments) are refused at load with the same line on every rank; Ctrl-C ends the job with exit code 130 and leaves no process.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+import torch.distributed as dist
+
+from megatron_tsp import checkpointing, config, training
+from megatron_tsp.errors import CheckpointError, TrainingStopped
+from megatron_tsp.launch import RankError, WorkerPool
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = dict(mock_data=True, vocab_size=120, num_layers=1, hidden_size=32, num_attention_heads=4,
+            seq_length=16, attention_dropout=0.0, hidden_dropout=0.0, tsp_size=2,
+            micro_batch_size=2, train_iters=6, lr_warmup_iters=0, log_interval=100,
+            use_distributed_optimizer=True)
+
+
+def _at_iteration(n, action):
+    """Wrap megatron_tsp.training.train_step so that ``action()`` runs before step ``n``."""
+    original = training.train_step
+    calls = {"n": 0}
+
+    def wrapped(model, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == n:
+            action(model)
+        return original(model, *args, **kwargs)
+
+    training.train_step = wrapped
+    return original
+
+
+def _train_with_nan_gradient_on_rank_1(save):
+    from megatron_tsp.train import train
+
+    def poison(model):
+        if dist.get_rank() == 1:
+            first = next(p for p in model[0].parameters() if p.requires_grad)
+            first.register_hook(lambda g: g * float("nan"))
+
+    original = _at_iteration(3, poison)
+    try:
+        train(config.resolve(dict(TINY, save=save, save_interval=1)))
+    except TrainingStopped as exc:
+        return str(exc)
+    finally:
+        training.train_step = original
+    return None
+
+
+def test_nan_in_one_gradient_stops_training_before_it_is_saved(ranks, tmp_path):
+    save = str(tmp_path / "ckpt")
+    messages = ranks(2, _train_with_nan_gradient_on_rank_1, save)
+    assert messages[0] == messages[1] and messages[0].startswith("iteration 3: lm loss"), messages
+    assert "not finite, training stopped" in messages[0] and len(messages[0].splitlines()) == 1
+    assert checkpointing.latest(save)[1] == 2
+
+
+def _train_and_stop_rank_1():
+    from megatron_tsp.train import train
+
+    def stop(_):
+        if dist.get_rank() == 1:
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+    _at_iteration(3, stop)  # the pool is thrown away after this test
+    train(config.resolve(TINY), collective_timeout_min=0.1)
+
+
+def test_a_stopped_rank_fails_the_job_within_the_collective_timeout():
+    pool = WorkerPool(2, collective_timeout_s=6)
+    start = time.monotonic()
+    with pytest.raises(RankError) as failure:
+        pool.run(_train_and_stop_rank_1, timeout_s=120)
+    elapsed = time.monotonic() - start
+    summary = failure.value.summary
+    assert elapsed < 40, elapsed  # 6 s collective timeout, 5 s for the others to report, start-up
+    assert summary.startswith("rank 0: ") and "rank(s) [1] stopped answering" in summary, summary
+    assert "is stopped, SIGSTOP" in summary and len(summary.splitlines()) == 1
+    assert not pool.alive
+
+
+def _damaged_checkpoint(path, damage):
+    from megatron_tsp.train import build, initialize, model_args
+
+    args = config.resolve(TINY)
+    initialize(args)
+    _, model, _ = build(args)
+    legacy = damage == "other-vocabulary-no-model-args"  # as saved by Megatron-LM or an older megatron-tsp
+    checkpointing.save(path, model, common={"iteration": 1, **({} if legacy else {"model_args": model_args(args)})})
+    if dist.get_rank() == 0:
+        shard = os.path.join(path, "__1_0.distcp")
+        if damage == "overwritten":
+            with open(shard, "r+b") as f:
+                f.seek(os.path.getsize(shard) // 2)
+                f.write(os.urandom(4096))
+        elif damage == "truncated":
+            os.truncate(shard, os.path.getsize(shard) // 3)
+        elif damage == "no-metadata":
+            os.remove(os.path.join(path, ".metadata"))
+        elif damage == "garbage-common":  # without the manifest that would catch it first
+            os.remove(os.path.join(path, checkpointing.CHECKSUMS))
+            with open(os.path.join(path, "common.pt"), "wb") as f:
+                f.write(b"\x80\x02garbage" * 100)
+    dist.barrier()
+    if damage == "other-model":
+        args = config.resolve(dict(TINY, hidden_size=64))
+    elif legacy:
+        args = config.resolve(dict(TINY, vocab_size=300))
+    import megatron_tsp
+
+    megatron_tsp.destroy_model_parallel()
+    initialize(args)
+    _, model, _ = build(args)
+    try:
+        checkpointing.load(path, model, model_args=model_args(args))
+    except CheckpointError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize("damage,message", [
+    ("none", None),
+    ("overwritten", "__1_0.distcp: contents differ from the saved checksum (damaged)"),
+    ("truncated", "__1_0.distcp: "),
+    ("no-metadata", ".metadata is missing"),
+    ("garbage-common", "common.pt: cannot be read"),
+    ("other-model", "; hidden_size 32 there, 64 in this run;"),
+    ("other-vocabulary-no-model-args", "embedding.word_embeddings.weight has shape (128, 32) there, (384, 32) in this run"),
+])
+def test_damaged_checkpoints_are_refused_at_load(ranks, tmp_path, damage, message):
+    results = ranks(2, _damaged_checkpoint, str(tmp_path / "ckpt"), damage)
+    if message is None:
+        assert results == [None, None]
+        return
+    assert results[0] == results[1], results  # every rank stops, with the same line
+    assert message in results[0] and len(results[0].splitlines()) == 1, results[0]
+
+
+def test_ctrl_c_exits_130_with_one_line_and_leaves_no_process(tmp_path):
+    cmd = [sys.executable, "-m", "megatron_tsp.cli", "train", os.path.join(ROOT, "configs", "tiny-cpu.yaml"),
+           "--num-layers", "1", "--log-interval", "1", "--data-path", str(tmp_path / "data" / "tsp-tiny-corpus"),
+           "--log-json", str(tmp_path / "log.jsonl")]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        for line in proc.stdout:  # wait until the ranks train
+            if "iteration" in line:
+                break
+        workers = psutil.Process(proc.pid).children(recursive=True)
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal sends on Ctrl-C
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines() == ["megatron-tsp: interrupted; every rank was stopped"], err
+    _, alive = psutil.wait_procs(workers, timeout=10)
+    assert not alive
