@@ -97,10 +97,22 @@ def check_same_loss(first_losses: Dict[str, List[float]], seq: int) -> None:
                                 "the modes do not train the same model on the same data, so no result is written")
 
 
+def check_setup(values: Dict, seqs: List[int], modes: List[str], nproc: int) -> None:
+    """Every (mode, sequence length) of a benchmark is valid on ``nproc`` ranks: one
+    ConfigError line otherwise, before any rank starts."""
+    unknown = [m for m in modes if m not in BENCH_MODES]
+    if unknown:
+        raise cfg.ConfigError(f"--modes: unknown mode(s) {', '.join(unknown)}; use {', '.join(BENCH_MODES)}")
+    for seq in seqs:
+        for mode in modes:
+            cfg.check_world_size(cfg.resolve(_values_for(values, mode, seq)), nproc, "--nproc")
+
+
 def run(config_path: str, seqs: List[int], modes: List[str], repeats: int, steps: int, warmup: int,
         runner, nproc: int) -> Dict:
     """``runner(fn, *args)`` runs ``fn`` on every rank and returns the per-rank results."""
     values = cfg.load_config(config_path)
+    check_setup(values, seqs, modes, nproc)
     result = {"setup": run_record(config=config_path, ranks=nproc), "repeats": repeats, "steps": steps,
               "warmup": warmup, "results": {}}
     for seq in seqs:

@@ -180,9 +180,11 @@ def _cmd_predict(ns: argparse.Namespace) -> int:
 
 
 def _cmd_bench(ns: argparse.Namespace) -> int:
-    from megatron_tsp import bench, launch
+    from megatron_tsp import bench, config, launch
 
     path = ns.config or os.path.join(os.path.dirname(default_config_path()), "bench-cpu.yaml")
+    bench.check_setup(config.load_config(path), ns.seq, ns.modes,
+                      int(os.environ["WORLD_SIZE"]) if _under_torchrun() else ns.nproc)
     if _under_torchrun():  # every rank runs here
         import torch.distributed as dist
 
@@ -224,7 +226,11 @@ def _int_list(text: str) -> List[int]:
 
 
 def _name_list(text: str) -> List[str]:
-    return [m.strip() for m in text.split(",") if m.strip()]
+    """Comma-separated names (modes), at least one."""
+    names = [m.strip() for m in text.split(",") if m.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(f"{text!r} names nothing; give comma-separated modes")
+    return names
 
 
 class _Parser(argparse.ArgumentParser):

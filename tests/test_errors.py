@@ -219,9 +219,19 @@ def test_predict_with_a_mistyped_hardware_value(capsys, tmp_path):
     (["--cp", "0"], "argument --cp"),
     (["--world-size", "12"], "world size 12 (--world-size) is not a multiple of the model-parallel size 8"),
     (["--modes", "tsp,fsdp"], "unknown mode 'fsdp'"),
+    (["--modes", ","], "argument --modes: ',' names nothing"),
 ])
 def test_memory_checks_before_planning(capsys, flags, message):
     assert message in one_line(capsys, ["memory", MODEL_7B, *flags], code=2)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--modes", "tsp,fsdp"], "--modes: unknown mode(s) fsdp"),
+    (["--seq", "66"], "'seq_length' (--seq-length) must be divisible by 2 x tsp_size"),
+    (["--nproc", "3"], "world size 3 (--nproc)"),
+])
+def test_bench_checks_before_starting_ranks(capsys, flags, message):
+    assert message in one_line(capsys, ["bench", *flags], code=2)
 
 
 def test_memory_with_a_non_yaml_config(capsys, tmp_path):
