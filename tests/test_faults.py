@@ -2,10 +2,13 @@
 
 A NaN in one rank's gradient stops training at that iteration before anything is saved; a
 rank that stops answering (SIGSTOP) fails the job within the collective timeout, naming the
-rank; damaged checkpoints and checkpoints of another model (also ones that saved no model
-arguments) are refused at load with the same line on every rank; Ctrl-C ends the job with exit code 130 and leaves no process.
+rank; a run killed while it saves resumes from the checkpoint before, with the losses of an
+uninterrupted run; damaged checkpoints and checkpoints of another model (also ones that
+saved no model arguments) are refused at load with the same line on every rank; Ctrl-C
+ends the job with exit code 130 and leaves no process.
 """
 
+import json
 import os
 import signal
 import subprocess
@@ -90,6 +93,43 @@ def test_a_stopped_rank_fails_the_job_within_the_collective_timeout():
     assert summary.startswith("rank 0: ") and "rank(s) [1] stopped answering" in summary, summary
     assert "is stopped, SIGSTOP" in summary and len(summary.splitlines()) == 1
     assert not pool.alive
+
+
+def _train_killed_while_saving(save):
+    from megatron_tsp.train import train
+
+    def write_checksums(path):  # the shards of iteration 4 are written; its manifest and tracker are not
+        if path.endswith("iter_0000004"):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    checkpointing._write_checksums = write_checksums  # the pool is thrown away after this
+    train(config.resolve(dict(TINY, save=save, save_interval=2)))
+
+
+def _train_logged(values, log):
+    from megatron_tsp.train import train
+
+    train(config.resolve(values), log)
+
+
+def _losses(log):
+    with open(log) as f:
+        return {r["iteration"]: r["loss"] for r in map(json.loads, f)}
+
+
+def test_a_run_killed_while_saving_resumes_from_the_previous_checkpoint(ranks, tmp_path):
+    save = str(tmp_path / "ckpt")
+    with pytest.raises(RankError, match="killed by SIGKILL"):
+        with WorkerPool(2) as pool:
+            pool.run(_train_killed_while_saving, save, timeout_s=120)
+    assert checkpointing.latest(save)[1] == 2
+    quiet = dict(TINY, log_interval=1)
+    ranks(2, _train_logged, dict(quiet, load=save, save=save, save_interval=2), str(tmp_path / "resumed.jsonl"))
+    ranks(2, _train_logged, quiet, str(tmp_path / "uninterrupted.jsonl"))
+    resumed, full = _losses(tmp_path / "resumed.jsonl"), _losses(tmp_path / "uninterrupted.jsonl")
+    assert sorted(resumed) == [3, 4, 5, 6]
+    assert all(resumed[i] == full[i] for i in resumed), (resumed, full)
+    assert checkpointing.latest(save)[1] == 6
 
 
 def _damaged_checkpoint(path, damage):
