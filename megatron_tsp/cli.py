@@ -1,6 +1,6 @@
 """The ``megatron-tsp`` command.
 
-A mistake gets one line (``megatron-tsp: error: ...``) and a non-zero exit: 2 for a bad
+A mistake gets one line (``megatron-tsp COMMAND: error: ...``) and a non-zero exit: 2 for a bad
 configuration or argument, 1 for anything that failed while running, 130 for Ctrl-C. A
 failed rank's traceback goes to ``error.log`` beside the run's log; ``--debug`` prints
 tracebacks instead.
@@ -134,6 +134,7 @@ def _cmd_train(ns: argparse.Namespace) -> int:
     except launch.RankError as exc:
         if not exc.user_error:
             error_log = os.path.abspath(os.path.join(os.path.dirname(log_path), "error.log"))
+            os.makedirs(os.path.dirname(error_log), exist_ok=True)
             with open(error_log, "a", encoding="utf-8") as f:
                 f.write(f"[{datetime.datetime.now():%Y-%m-%d %H:%M:%S}] {path}: rank {exc.rank}\n{exc.traceback}\n")
             exc.summary += f" (traceback: {error_log})"
@@ -220,17 +221,17 @@ NON_NEGATIVE_INT = _number(int, 0, "an integer >= 0")
 POSITIVE_FLOAT = _number(float, 1e-300, "a positive number")
 
 
-def _int_list(text: str) -> List[int]:
-    """Comma-separated positive integers (sequence lengths)."""
-    return [POSITIVE_INT(x.strip()) for x in text.split(",") if x.strip()] or POSITIVE_INT("")
-
-
 def _name_list(text: str) -> List[str]:
     """Comma-separated names (modes), at least one."""
     names = [m.strip() for m in text.split(",") if m.strip()]
     if not names:
-        raise argparse.ArgumentTypeError(f"{text!r} names nothing; give comma-separated modes")
+        raise argparse.ArgumentTypeError(f"{text!r} names nothing; give a comma-separated list")
     return names
+
+
+def _int_list(text: str) -> List[int]:
+    """Comma-separated positive integers (sequence lengths), at least one."""
+    return [POSITIVE_INT(x) for x in _name_list(text)]
 
 
 class _Parser(argparse.ArgumentParser):
@@ -347,7 +348,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         return args.func(args)
     except KeyboardInterrupt:
-        print(f"megatron-tsp: {where}interrupted; every rank was stopped", file=sys.stderr)
+        print(f"megatron-tsp {args.command}: {where}interrupted", file=sys.stderr)
         return 130
     except (UserError, RankError, PoolTimeout) as exc:
         if args.debug:

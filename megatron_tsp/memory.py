@@ -246,7 +246,6 @@ def plan(values: Dict, mode: str, world_size: Optional[int] = None, cp: int = 2,
     ``world_size`` job (default: one replica), at full size, under FakeTensorMode."""
     args, model_parallel = _args(values, mode, cp)
     world_size = world_size or model_parallel
-    cfg.check_world_size(args, world_size, "--world-size, or nodes x gpus_per_node")
     with _fake_world(world_size):
         return _run(args, world_size, StorageTracker(fake_scalars=True), attention_backend, fake=True)
 

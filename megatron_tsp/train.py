@@ -109,10 +109,14 @@ def model_args(args) -> Dict[str, Any]:
     return out
 
 
-def check_finite(args, iteration: int, loss: float, grad_norm: float) -> None:
+def check_finite(args, iteration: int, result: Dict[str, Any]) -> None:
     """Megatron-LM's ``--check-for-nan-in-loss-and-grad`` (on by default): stop on a NaN/Inf
-    loss or gradient norm (the same on every rank, so every rank stops) before it is saved."""
-    finite = math.isfinite(loss) and (args.clip_grad == 0 or math.isfinite(grad_norm))
+    loss or gradient norm (the same on every rank, so every rank stops) before it is saved.
+    A step the fp16 loss scaler skipped (overflow) is not an error; without clipping there
+    is no norm."""
+    loss, grad_norm = result["loss"], result["grad_norm"]
+    norm_checked = args.clip_grad > 0 and result["update_successful"]
+    finite = math.isfinite(loss) and (not norm_checked or math.isfinite(grad_norm))
     if args.check_for_nan_in_loss_and_grad and not finite:
         raise TrainingStopped(
             f"iteration {iteration}: lm loss {loss}, grad norm {grad_norm}: not finite, training stopped "
@@ -262,7 +266,7 @@ def train(args, log_path: Optional[str] = None, collective_timeout_min: float = 
                                      args.micro_batch_size, batch_transform=transform)
         elapsed = time.perf_counter() - t0
         done = iteration + 1
-        check_finite(args, done, result["loss"], result["grad_norm"])
+        check_finite(args, done, result)
         lr = optimizer.param_groups[0]["lr"]
         scheduler.step(increment=1)
         record = {

@@ -206,6 +206,6 @@ def test_ctrl_c_exits_130_with_one_line_and_leaves_no_process(tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 130, err
-    assert err.strip().splitlines() == ["megatron-tsp: interrupted; every rank was stopped"], err
+    assert err.strip().splitlines() == ["megatron-tsp train: interrupted"], err
     _, alive = psutil.wait_procs(workers, timeout=10)
     assert not alive
