@@ -160,8 +160,10 @@ def _cmd_memory(ns: argparse.Namespace) -> int:
     from megatron_tsp import config, memory
 
     result = memory.plan_modes(ns.config, ns.modes, world_size=ns.world_size, cp=ns.cp,
-                               overrides=config.overrides(ns))
+                               overrides=config.overrides(ns), per_layer=ns.per_layer)
     print(memory.table(result))
+    if ns.per_layer:
+        print(memory.per_layer_table(result))
     if ns.json:
         _write_json(ns.json, result)
     if ns.plot:
@@ -288,6 +290,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="ranks of the job (default: the model-parallel size, one replica)")
     mem.add_argument("--json", help="write the results here")
     mem.add_argument("--plot", help="write a stacked bar chart (PNG) here")
+    mem.add_argument("--per-layer", action="store_true",
+                     help="list every tensor layer 0 keeps for backward, and the analytic formula")
     config.add_arguments(mem, keys=["num_layers", "seq_length", "max_position_embeddings",
                                     "micro_batch_size", "recompute_granularity"])
     mem.set_defaults(func=_cmd_memory)

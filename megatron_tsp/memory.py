@@ -135,6 +135,108 @@ class StorageTracker(TorchDispatchMode):
         return out
 
 
+class SavedTensors:
+    """Every storage autograd keeps from the forward pass, with the module that saved it and
+    the op that made it: the activation accounting of ``megatron-tsp memory --per-layer``.
+
+    A module stack (global forward hooks) names the innermost module running when a tensor is
+    saved; storages saved twice (an input two ops keep) count once, and a view keeps its whole
+    storage alive, so a storage is counted whole. Weights saved for backward are parameters,
+    not activations. Recomputation in the backward pass is not recorded: only what the
+    forward pass leaves behind.
+    """
+
+    def __init__(self, tracker: StorageTracker) -> None:
+        self.tracker = tracker
+        self.names: Dict[torch.nn.Module, str] = {}
+        self.rows: Dict[int, Dict] = {}
+        self._stack: List[str] = []
+
+    def watch(self, model: torch.nn.Module) -> None:
+        self.names = {module: name for name, module in model.named_modules()}
+
+    def __enter__(self) -> "SavedTensors":
+        from torch.nn.modules import module as nn_module
+
+        def push(module, args):
+            self._stack.append(self.names.get(module, type(module).__name__))
+
+        def pop(module, args, output):
+            self._stack.pop()
+
+        self._handles = [nn_module.register_module_forward_pre_hook(push),
+                         nn_module.register_module_forward_hook(pop)]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+    def saved(self, t: torch.Tensor) -> None:
+        if torch._C._current_graph_task_id() != -1:  # a recomputation in backward
+            return
+        key = StorageTracker._key(t.untyped_storage())
+        if key not in self.rows and self.tracker.category.get(key) == "activations":  # not weights
+            self.rows[key] = {"module": self._stack[-1] if self._stack else "", "op": self.tracker.origin.get(key),
+                              "shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", ""),
+                              "bytes": t.untyped_storage().nbytes()}
+
+    def layer(self, prefix: str = "decoder.layers.0.") -> List[Dict]:
+        """The rows saved inside one layer (module names relative to it), largest first."""
+        rows = [dict(r, module=r["module"][len(prefix):]) for r in self.rows.values()
+                if r["module"].startswith(prefix)]
+        return sorted(rows, key=lambda r: -r["bytes"])
+
+
+def activation_terms(args, mode: str) -> Dict[str, Dict[str, float]]:
+    """Bytes one layer keeps for backward on one rank, term by term, for ``tsp`` and ``tp-sp``
+    without recompute: ``{"formula": ..., "implementation": ...}``.
+
+    ``formula`` is Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
+    Transformer Models", eq. 2 with sequence parallelism, ``sbh(34 + 5as/h)/t``) for a
+    flash-style attention kernel (no score matrix: the ``5as/h`` term becomes the kernel's
+    output and its log-sum-exp) and no dropout (no masks: 34 -> 32 at h-sized GQA-free
+    shapes), written per tensor with grouped-query K/V and SwiGLU's doubled fc1 output. TSP
+    keeps the same tensors except the MLP activation's output, which its backward recomputes
+    from the fc1 output (mlp.py). ``implementation`` holds what the measured modules keep
+    beyond the formula, each verified in ``tests/test_memory.py``: torch's RMSNorm (no fused
+    kernel for bf16 input with fp32 weights) keeps fp32 copies of its input and of the
+    normalised product instead of the bf16 input; megatron's unfused SwiGLU (no
+    ``bias_activation_fusion`` on CPU) keeps ``silu(x1)`` and ``x2 + offset`` for the
+    product; megatron's RoPE keeps rotated copies of
+    Q and K (the unrotated QKV output stays alive as the storage V is a view of) and bf16
+    cos/sin tables for the whole sequence; TSP keeps only fp32 frequencies for its tokens.
+    """
+    e = 2 if args.bf16 or args.fp16 else 4
+    t = args.tsp_size * args.tensor_model_parallel_size
+    s, b, h, d = args.seq_length, args.micro_batch_size, args.hidden_size, args.kv_channels
+    a, g, f = args.num_attention_heads, args.num_query_groups, args.ffn_hidden_size
+    tokens = s * b / t  # SP and TSP: each rank holds 1/t of the sequence, or of the hidden dims
+    formula = {
+        "norm inputs (2 norms)": 2 * e * tokens * h,
+        "QKV input": e * tokens * h,
+        "Q, K, V": e * tokens * d * (a + 2 * g),
+        "attention output (flash O)": e * tokens * d * a,
+        "log-sum-exp (fp32)": 4 * tokens * a,
+        "MLP input": e * tokens * h,
+        "fc1 output": e * tokens * f * (2 if args.swiglu else 1),
+    }
+    if mode != "tsp":
+        formula["activation output (fc2 input)"] = e * tokens * f
+    implementation = {}
+    if args.normalization == "RMSNorm":
+        implementation["torch RMSNorm: fp32 input and product, not bf16 input"] = 2 * (8 - e) * tokens * h
+    if args.swiglu and mode != "tsp":
+        implementation["unfused SwiGLU: silu(x1) and x2 + offset, kept by the product"] = 2 * e * tokens * f
+    if args.position_embedding_type == "rope":
+        if mode == "tsp":
+            implementation["RoPE frequencies (fp32, own tokens)"] = 4 * tokens * d
+        else:
+            implementation["RoPE: rotated Q and K copies"] = e * tokens * d * (a + g)
+            implementation["RoPE: cos/sin tables (whole sequence)"] = 4 * e * s * d
+    return {"formula": formula, "implementation": implementation}
+
+
 def mode_values(values: Dict, mode: str, cp: int = 2) -> Dict:
     """The config with its model-parallel size D re-laid out as ``mode`` (same model, batch,
     sequence and recompute): tsp = TSP D; tp = TP D; tp-sp = TP D + SP; tp-cp = TP D/cp x CP cp."""
@@ -241,13 +343,15 @@ def _optimizer_tensors(optimizer) -> List[torch.Tensor]:
 
 
 def plan(values: Dict, mode: str, world_size: Optional[int] = None, cp: int = 2,
-         attention_backend: str = "auto") -> Dict:
+         attention_backend: str = "auto", per_layer: bool = False) -> Dict:
     """Peak memory by category, FLOPs and communication of one training step of rank 0 of a
-    ``world_size`` job (default: one replica), at full size, under FakeTensorMode."""
+    ``world_size`` job (default: one replica), at full size, under FakeTensorMode; with
+    ``per_layer``, also every tensor the first layer keeps for backward (``saved_per_layer``)."""
     args, model_parallel = _args(values, mode, cp)
     world_size = world_size or model_parallel
     with _fake_world(world_size):
-        return _run(args, world_size, StorageTracker(fake_scalars=True), attention_backend, fake=True)
+        return _run(args, world_size, StorageTracker(fake_scalars=True), attention_backend, fake=True,
+                    per_layer=per_layer)
 
 
 def measure(values: Dict, mode: str, cp: int = 2, attention_backend: str = "auto") -> Dict:
@@ -262,7 +366,8 @@ def _args(values: Dict, mode: str, cp: int):
     return args, cfg.model_parallel_size(args)
 
 
-def _run(args, world_size: int, tracker: StorageTracker, attention_backend: str, fake: bool) -> Dict:
+def _run(args, world_size: int, tracker: StorageTracker, attention_backend: str, fake: bool,
+         per_layer: bool = False) -> Dict:
     import megatron_tsp
 
     from megatron_tsp import instrument
@@ -270,11 +375,13 @@ def _run(args, world_size: int, tracker: StorageTracker, attention_backend: str,
 
     # Fake tensors have no values to seed; megatron's RNG bookkeeping is off (_valueless).
     initialize(args, seed=not fake, create_gloo_process_groups=False)
+    saved = SavedTensors(tracker) if per_layer else None
     try:
-        static, flops, records = _step(args, tracker, attention_backend, fake)
+        static, flops, records = _step(args, tracker, attention_backend, fake, saved)
     finally:
         megatron_tsp.destroy_model_parallel()
-    return {
+    extra = {"saved_per_layer": saved.layer()} if saved else {}
+    return {**extra,
         "parallel": {"tsp": args.tsp_size, "tp": args.tensor_model_parallel_size,
                      "cp": args.context_parallel_size, "pp": args.pipeline_model_parallel_size,
                      "dp": world_size // cfg.model_parallel_size(args), "sequence_parallel": args.sequence_parallel,
@@ -290,9 +397,10 @@ def _run(args, world_size: int, tracker: StorageTracker, attention_backend: str,
     }
 
 
-def _step(args, tracker, attention_backend, fake: bool = True):
+def _step(args, tracker, attention_backend, fake: bool = True, saved_log: Optional[SavedTensors] = None):
     """Build model and optimizer and run one step under ``tracker``; with ``fake``, under
-    FakeTensorMode (else for real, to check the planner against)."""
+    FakeTensorMode (else for real, to check the planner against); ``saved_log`` records what
+    autograd keeps."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from megatron_tsp import instrument, training
@@ -322,9 +430,16 @@ def _step(args, tracker, attention_backend, fake: bool = True):
         tokens = torch.zeros(args.micro_batch_size, args.seq_length, dtype=torch.long)
         batch = {"tokens": tokens, "labels": tokens, "loss_mask": torch.ones(tokens.shape),
                  "position_ids": torch.zeros_like(tokens), "attention_mask": None}
-        saved = torch.autograd.graph.saved_tensors_hooks(
-            lambda t: (tracker.tag([t], "activations", only_from=("temporaries", "communication")), t)[1],
-            lambda t: t)
+        def pack(t):
+            tracker.tag([t], "activations", only_from=("temporaries", "communication"))
+            if saved_log is not None:
+                saved_log.saved(t)
+            return t
+
+        saved = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        if saved_log is not None:
+            saved_log.watch(chunk.module)
+            stack.enter_context(saved_log)
         receive = lambda t: tracker.tag([t], "communication", only_from=("temporaries",))
         flops_before, attention_before = tracker.flops, tracker.attention_flops
         with saved, instrument.count_collectives(on_output=receive) as records:
@@ -335,13 +450,18 @@ def _step(args, tracker, attention_backend, fake: bool = True):
 
 
 def plan_modes(config_path: str, modes: List[str], world_size: Optional[int] = None, cp: int = 2,
-               overrides: Optional[Dict] = None) -> Dict:
+               overrides: Optional[Dict] = None, per_layer: bool = False) -> Dict:
     values = cfg.load_config(config_path)
     values.update(overrides or {})
     for mode in modes:  # every mode's arguments are checked before the first (slow) plan
         args, model_parallel = _args(values, mode, cp)
         cfg.check_world_size(args, world_size or model_parallel, "--world-size")
-    results = {mode: plan(copy.deepcopy(values), mode, world_size, cp) for mode in modes}
+    results = {mode: plan(copy.deepcopy(values), mode, world_size, cp, per_layer=per_layer) for mode in modes}
+    if per_layer:
+        for mode, r in results.items():
+            args, _ = _args(values, mode, cp)
+            if args.recompute_granularity is None and mode in ("tsp", "tp-sp"):
+                r["activation_terms"] = activation_terms(args, mode)
     seq = cfg.resolve(mode_values(values, modes[0], cp)).seq_length
     from megatron_tsp.env import run_record
 
@@ -358,6 +478,25 @@ def table(result: Dict) -> str:
         layout = f"tsp{p['tsp']} tp{p['tp']} cp{p['cp']} pp{p['pp']} dp{p['dp']}" + (" sp" if p["sequence_parallel"] else "")
         cats = " | ".join(f"{r['by_category_gib'][c]:.2f}" for c in CATEGORIES)
         lines.append(f"| {mode} | {layout} | {r['peak_gib']:.2f} | {cats} | {r['flops_per_rank'] / 1e12:.1f} |")
+    return "\n".join(lines)
+
+
+def per_layer_table(result: Dict) -> str:
+    """Every storage the first layer keeps for backward, per mode, and the analytic formula."""
+    lines = []
+    for mode, r in result["modes"].items():
+        rows = r["saved_per_layer"]
+        total = sum(row["bytes"] for row in rows)
+        lines += [f"\n{mode}: what layer 0 keeps for backward on rank 0 ({total / 2**20:.1f} MiB)",
+                  "| module | made by | shape | dtype | MiB |", "|---|---|---|---|---|"]
+        lines += [f"| {row['module']} | {row['op']} | {row['shape']} | {row['dtype']} | {row['bytes'] / 2**20:.1f} |"
+                  for row in rows]
+        terms = r.get("activation_terms")
+        if terms:
+            formula, impl = sum(terms["formula"].values()), sum(terms["implementation"].values())
+            lines.append(f"formula (Korthikanti et al., flash, no dropout) {formula / 2**20:.1f} MiB"
+                         + "".join(f"; + {k} {v / 2**20:.1f}" for k, v in terms["implementation"].items())
+                         + f" = {(formula + impl) / 2**20:.1f} MiB; measured / that = {total / (formula + impl):.3f}")
     return "\n".join(lines)
 
 

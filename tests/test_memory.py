@@ -69,3 +69,34 @@ def test_plots_are_written(tmp_path):
                     "results": {256: {"tsp": timing, "tp-sp": timing}, 512: {"tsp": timing, "tp-sp": timing}}}
     bench.plot(bench_result, str(tmp_path / "bench.png"))
     assert (tmp_path / "memory.png").stat().st_size > 0 and (tmp_path / "bench.png").stat().st_size > 0
+
+
+LAYER = dict(num_layers=1, hidden_size=256, num_attention_heads=8, seq_length=4096, position_embedding_type="rope",
+             normalization="RMSNorm", disable_bias_linear=True, attention_dropout=0.0, hidden_dropout=0.0,
+             bf16=True, tsp_size=4, mock_data=True, vocab_size=1000)
+MODELS = {"gelu-mha": dict(LAYER, ffn_hidden_size=1024),
+          "swiglu-gqa": dict(LAYER, ffn_hidden_size=512, swiglu=True, group_query_attention=True, num_query_groups=4)}
+
+
+@pytest.mark.parametrize("mode", ["tsp", "tp-sp"])
+@pytest.mark.parametrize("model", list(MODELS))
+def test_per_layer_activations_match_the_formula(model, mode):
+    """What one layer keeps for backward, tensor by tensor, adds up to Korthikanti et al.'s
+    formula plus the documented terms of the modules measured (within 10%)."""
+    values = MODELS[model]
+    rows = memory.plan(dict(values), mode, per_layer=True)["saved_per_layer"]
+    measured = sum(r["bytes"] for r in rows)
+    terms = memory.activation_terms(config.resolve(memory.mode_values(values, mode)), mode)
+    expected = sum(terms["formula"].values()) + sum(terms["implementation"].values())
+    assert abs(measured - expected) <= 0.1 * expected, (measured, expected, rows)
+
+
+def test_formula_is_korthikantis_for_a_gpt_layer():
+    """h-sized MHA and ffn = 4h without dropout: 34 sbh/t bytes less the two 1-byte dropout
+    masks, plus the flash kernel's fp32 log-sum-exp."""
+    args = config.resolve(memory.mode_values(MODELS["gelu-mha"], "tp-sp"))
+    s, b, h, t, a = args.seq_length, args.micro_batch_size, args.hidden_size, 4, args.num_attention_heads
+    formula = memory.activation_terms(args, "tp-sp")["formula"]
+    assert sum(formula.values()) == 32 * s * b * h / t + 4 * s * b * a / t
+    tsp = memory.activation_terms(config.resolve(memory.mode_values(MODELS["gelu-mha"], "tsp")), "tsp")["formula"]
+    assert sum(formula.values()) - sum(tsp.values()) == 2 * s * b * args.ffn_hidden_size / t  # the fc2 input
