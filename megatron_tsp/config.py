@@ -85,6 +85,7 @@ ARGUMENTS: Dict[str, Arg] = {
     "recompute_granularity": Arg(str, None, "full or selective"),
     "recompute_method": Arg(str, None, "uniform or block"),
     "recompute_num_layers": Arg(int, None, "layers per recompute unit"),
+    "recompute_modules": Arg(list, None, "selective recompute of: core_attn (default), mlp, layernorm"),
     "log_interval": Arg(int, 1, "iterations between log lines"),
     "check_for_nan_in_loss_and_grad": Arg(bool, True, "stop on a NaN/Inf loss or gradient norm",
                                           flag="--no-check-for-nan-in-loss-and-grad"),
@@ -223,6 +224,7 @@ POSITIVE_INTS = (
 NON_NEGATIVE = ("lr", "min_lr", "lr_warmup_iters", "weight_decay", "clip_grad", "seed")
 POSITIVE_FLOATS = ("init_method_std", "norm_epsilon")
 FRACTIONS = ("attention_dropout", "hidden_dropout", "adam_beta1", "adam_beta2")  # in [0, 1)
+RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm")  # megatron's, for dense GPT models
 CHOICES = {
     "position_embedding_type": ("rope", "learned_absolute"),
     "normalization": ("LayerNorm", "RMSNorm"),
@@ -256,6 +258,9 @@ def check_values(ns: argparse.Namespace) -> None:
     for key, choices in CHOICES.items():
         if getattr(ns, key) not in choices:
             raise bad(key, "one of " + ", ".join(str(c) for c in choices if c is not None))
+    unknown = set(ns.recompute_modules or ()) - set(RECOMPUTE_MODULES)
+    if unknown:
+        raise bad("recompute_modules", f"a list of {', '.join(RECOMPUTE_MODULES)}")
     if ns.min_lr > ns.lr:
         raise bad("min_lr", f"<= lr {ns.lr}")
     parts = ns.split.split(",")
@@ -308,6 +313,8 @@ def check_combinations(ns: argparse.Namespace) -> None:
         (ns.mock_data or ns.data_path, "data_path", "is required unless mock_data is true"),
         (ns.recompute_granularity != "full" or ns.recompute_method in ("uniform", "block"),
          "recompute_method", "must be uniform or block with recompute_granularity full"),
+        (not ns.recompute_modules or ns.recompute_granularity == "selective", "recompute_modules",
+         "applies to recompute_granularity selective only"),
         (ns.lr_warmup_iters < ns.lr_decay_iters, "lr_warmup_iters",
          f"must be below lr_decay_iters {ns.lr_decay_iters} (default: train_iters, here {ns.train_iters}); "
          "lower the warm-up or raise --train-iters / --lr-decay-iters"),

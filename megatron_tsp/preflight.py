@@ -2,9 +2,10 @@
 
 Everything that can be known without the ranks is checked here, in the launching process
 (under torchrun, on every rank before the first collective), so that a mistake is one line
-and no process starts: the world size against the parallel sizes, the batch sizes, the
-tokenizer, the data files (present, complete, token ids inside the vocabulary), that
-``--save`` can be written and that ``--load`` exists and names a readable checkpoint.
+and no process starts: the world size against the parallel sizes, the batch sizes, what
+needs TransformerEngine, the tokenizer, the data files (present, complete, token ids inside
+the vocabulary), that ``--save`` can be written and that ``--load`` exists and names a
+readable checkpoint.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import tempfile
 from typing import Optional
 
 from megatron_tsp import checkpointing, config, data
+from megatron_tsp.env import transformer_engine_version
 from megatron_tsp.errors import CheckpointError, ConfigError
 
 
@@ -27,6 +29,10 @@ def check_run(args, world_size: int) -> Optional[int]:
         raise ConfigError(
             f"'global_batch_size' (--global-batch-size) {args.global_batch_size} is not divisible by "
             f"micro_batch_size {args.micro_batch_size} x data-parallel size {dp} = {per_step}; change one of them")
+    if "layernorm" in (args.recompute_modules or ()) and transformer_engine_version() is None:
+        raise ConfigError("'recompute_modules' (--recompute-modules) layernorm needs TransformerEngine here "
+                          "(megatron-core 0.16.1's CheckpointWithoutOutput reads its FP8 state); recompute "
+                          "core_attn or mlp")
     tokenizer = data.tokenizer_for(args)
     if not args.mock_data:
         data.check_corpus(args.data_path, tokenizer.vocab_size)

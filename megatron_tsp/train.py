@@ -45,7 +45,8 @@ def transformer_config(args) -> TransformerConfig:
     if args.recompute_granularity:
         recompute = dict(recompute_granularity=args.recompute_granularity,
                          recompute_method=args.recompute_method,
-                         recompute_num_layers=args.recompute_num_layers)
+                         recompute_num_layers=args.recompute_num_layers,
+                         recompute_modules=args.recompute_modules)
     return TransformerConfig(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,

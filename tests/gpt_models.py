@@ -77,8 +77,11 @@ def setup(mode, model="modern", tsp=1, tp=1, cp=1, pp=1, recompute=None, overlap
                                                pipeline_model_parallel_size=pp)
     overrides, position_embedding_type = MODELS[model]
     extra = {}
-    if recompute:
-        extra = dict(recompute_granularity=recompute)
+    if recompute:  # "full", "selective" or "selective:mod1,mod2" (megatron's recompute_modules)
+        granularity, _, modules = recompute.partition(":")
+        extra = dict(recompute_granularity=granularity)
+        if modules:
+            extra.update(recompute_modules=modules.split(","))
         if recompute == "full":
             extra.update(recompute_method="uniform", recompute_num_layers=1)
     config = tiny_config(**overrides, **extra, tensor_model_parallel_size=size,

@@ -93,6 +93,8 @@ def test_numbers_yaml_reads_as_strings_are_numbers(capsys, tmp_path):
     (["--lr-decay-style", "cosin"], "'lr_decay_style' (--lr-decay-style) must be one of constant, linear, cosine"),
     (["--split", "99,1"], "'split' (--split) must be three numbers"),
     (["--log-interval", "0"], "'log_interval'"),
+    (["--recompute-granularity", "selective", "--recompute-modules", "attn"], "'recompute_modules'"),
+    (["--recompute-modules", "mlp"], "applies to recompute_granularity selective only"),
     (["--train-iters", "3"], "'lr_warmup_iters' (--lr-warmup-iters) must be below lr_decay_iters 3 "
                              "(default: train_iters, here 3)"),
 ])
@@ -120,6 +122,7 @@ def _train(corpus, *flags):
     (["--global-batch-size", "6"], "'global_batch_size' (--global-batch-size) 6 is not divisible by micro_batch_size 4"),
     (["--tokenizer-type", "GPT2BPETokenizer"], "'tokenizer_type' (--tokenizer-type) 'GPT2BPETokenizer' is not supported"),
     (["--vocab-size", "100"], "is outside the vocabulary of 101 ids (--vocab-size 100 + end-of-document)"),
+    (["--recompute-granularity", "selective", "--recompute-modules", "layernorm"], "layernorm needs TransformerEngine"),
 ])
 def test_train_checks_the_job_before_starting_ranks(capsys, corpus, flags, message):
     assert message in one_line(capsys, _train(corpus, *flags))
