@@ -182,6 +182,21 @@ def _cmd_predict(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_plan(ns: argparse.Namespace) -> int:
+    from megatron_tsp import config, perfmodel, plan
+
+    hw = perfmodel.load_hardware(ns.hardware)
+    result = plan.plan(ns.config, hw, ns.nodes, ns.modes, ns.cp, ns.scenario, ns.grid, config.overrides(ns))
+    text = plan.table(result)
+    if ns.out:
+        _write_json(ns.out + ".json", result)
+        _write(ns.out + ".md", text + "\n", "--out")
+        if ns.grid:
+            plan.plot(result, ns.out + ".png")
+    print(text)
+    return 0
+
+
 def _cmd_bench(ns: argparse.Namespace) -> int:
     from megatron_tsp import bench, config, launch
 
@@ -310,6 +325,23 @@ def build_parser() -> argparse.ArgumentParser:
     pred.add_argument("--json", help="write the results here")
     config.add_arguments(pred, keys=["micro_batch_size", "recompute_granularity"])
     pred.set_defaults(func=_cmd_predict)
+
+    pl = sub.add_parser(
+        "plan", parents=[common], help="longest context that fits and fastest recompute setting per mode on a GPU",
+        description="Per mode: the longest sequence length that fits in the GPU's memory (bisection on the "
+                    "memory planner) and, at the config's length, every recompute choice with peak memory, "
+                    "whether it fits and tokens/s from the performance model.")
+    pl.add_argument("config", help="YAML config")
+    pl.add_argument("--hardware", required=True, help="configs/hardware/<name>.yaml")
+    pl.add_argument("--nodes", type=POSITIVE_INT, default=1, help="nodes of the job")
+    pl.add_argument("--modes", type=_name_list, default="tsp,tp-sp,tp-cp", help="comma-separated modes")
+    pl.add_argument("--cp", type=POSITIVE_INT, default=2, help="context-parallel size of tp-cp")
+    pl.add_argument("--scenario", default="overlap", help="performance-model scenario: overlap, no_tp_overlap, no_overlap")
+    pl.add_argument("--grid", type=_int_list, default=None,
+                    help="comma-separated sequence lengths for the picture (every choice at each)")
+    pl.add_argument("--out", help="write OUT.json, OUT.md and (with --grid) OUT.png")
+    config.add_arguments(pl, keys=["micro_batch_size", "seq_length"])
+    pl.set_defaults(func=_cmd_plan)
 
     bn = sub.add_parser(
         "bench", parents=[common], help="time TSP, TP+SP and TP x CP training steps side by side on this machine",

@@ -105,14 +105,16 @@ def _axpy(base: Dict, per_layer: Dict, layers: int) -> Dict:
 
 
 def layer_counts(values: Dict, mode: str, world_size: Optional[int] = None, cp: int = 2) -> Dict:
-    """FLOPs and comm counts of one micro-batch step: ``{"base": ..., "per_layer": ...}``."""
+    """FLOPs, comm counts and peak memory of one micro-batch step of rank 0:
+    ``{"base": ..., "per_layer": ...}`` (the peak is linear in the layer count too: every
+    layer keeps the same activations, and the peak falls at the same point of the step)."""
     def counts(layers):
         v = dict(values, num_layers=layers)
         plan = memory.plan(copy.deepcopy(v), mode, world_size, cp)
         return {"flops": plan["flops_per_rank"], "attention_flops": plan["attention_flops_per_rank"],
-                "comm": plan["comm"], "parallel": plan["parallel"]}
+                "comm": plan["comm"], "peak_gib": plan["peak_gib"], "parallel": plan["parallel"]}
 
-    keys = ("flops", "attention_flops", "comm")
+    keys = ("flops", "attention_flops", "comm", "peak_gib")
     one, two = counts(1), counts(2)
     per_layer = _sub({k: two[k] for k in keys}, {k: one[k] for k in keys})
     base = _sub({k: one[k] for k in keys}, per_layer)
@@ -165,12 +167,12 @@ def predict(config_path: str, hw: Hardware, nodes: int = 1, modes: List[str] = (
     for mode in modes:  # every mode's arguments are checked before the first (slow) count
         cfg.check_world_size(cfg.resolve(memory.mode_values(values, mode, cp)), world, "--nodes x gpus_per_node")
     for mode in modes:
-        results["modes"][mode] = _evaluate(values, mode, hw, world, cp)
+        results["modes"][mode] = evaluate(values, mode, hw, world, cp)
     if seq_lengths:
         sweep = {}
         for seq in seq_lengths:
             v = dict(values, seq_length=seq, max_position_embeddings=max(seq, values.get("max_position_embeddings") or 0))
-            sweep[seq] = {mode: _evaluate(v, mode, hw, world, cp, brief=True) for mode in ("tsp", "tp-sp")}
+            sweep[seq] = {mode: evaluate(v, mode, hw, world, cp, brief=True) for mode in ("tsp", "tp-sp")}
         results["sweep"] = sweep
         results["crossover_seq_length"] = {
             key: next((s for s in seq_lengths if sweep[s]["tsp"][key]["step_s"] <= sweep[s]["tp-sp"][key]["step_s"]), None)
@@ -180,7 +182,9 @@ def predict(config_path: str, hw: Hardware, nodes: int = 1, modes: List[str] = (
     return results
 
 
-def _evaluate(values: Dict, mode: str, hw: Hardware, world: int, cp: int, brief: bool = False) -> Dict:
+def evaluate(values: Dict, mode: str, hw: Hardware, world: int, cp: int, brief: bool = False) -> Dict:
+    """Per scenario, step time and cluster tokens/s of ``mode`` on ``world`` GPUs, and rank 0's
+    peak memory (``peak_gib``), from one planning at 1 and 2 layers."""
     args = cfg.resolve(memory.mode_values(values, mode, cp))
     counts = layer_counts(values, mode, world, cp)
     total = totals_for(counts, args.num_layers)
@@ -191,7 +195,7 @@ def _evaluate(values: Dict, mode: str, hw: Hardware, world: int, cp: int, brief:
 
     vocab = padded_vocab(args)
     model_flops = flops_formula.flops_per_sequence_from_args(args, vocab) * args.micro_batch_size
-    out = {"parallel": d}
+    out = {"parallel": d, "peak_gib": total["peak_gib"]}
     for key in SCENARIOS:
         t = step_time(total, hw, mode, key, world)
         ranks = world // replicas

@@ -1,0 +1,175 @@
+"""``megatron-tsp plan``: before booking, what fits on a GPU and how fast it runs.
+
+Per mode: (a) the longest sequence length that fits in the GPU's memory, with the recompute
+setting that allows it (full recompute keeps the least), found by bisection on the planner to
+within :data:`GRANULARITY` tokens; (b) at the config's sequence length, every recompute
+choice megatron-core offers that applies, each with rank 0's peak memory, whether it fits,
+and cluster tokens/s from the performance model; the fastest that fits is marked; (c) the
+same on a grid of sequence lengths, for the picture.
+
+Every point is one :func:`megatron_tsp.perfmodel.evaluate`: the memory planner at 1 and 2
+layers (FakeTensorMode, rank 0 of the job), extrapolated linearly in the layer count, so
+memory and speed come from one planning. A setting fits when its peak is at most the GPU's
+memory less a reserve for what the planner does not see (CUDA context, the collective
+library's buffers, allocator fragmentation): :data:`RESERVE_FRACTION` of the memory plus
+:data:`RESERVE_GIB`.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Dict, List, Optional
+
+from megatron_tsp import config as cfg
+from megatron_tsp import memory, perfmodel
+from megatron_tsp.env import run_record
+
+RESERVE_FRACTION = 0.05
+RESERVE_GIB = 2.0
+GRANULARITY = 1024  # tokens; a multiple of 2 x D x CP for every D x CP up to 512
+MAX_SEQ = 4 * 1024 * 1024
+RECOMPUTE_KEYS = ("recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_modules")
+CHOICES = {
+    "none": {},
+    "selective core_attn": dict(recompute_granularity="selective", recompute_modules=["core_attn"]),
+    "selective mlp": dict(recompute_granularity="selective", recompute_modules=["mlp"]),
+    "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+}
+LEAST_MEMORY = "full"
+# Choices that change nothing for a mode, with the reason (printed in the table).
+NOT_APPLICABLE = {
+    ("tsp", "selective core_attn"): "TSP attention has no megatron core_attention; it keeps only its "
+                                    "flash output and log-sum-exp already",
+}
+# megatron's "layernorm" recompute needs TransformerEngine in megatron-core 0.16.1 (see preflight).
+
+
+def usable_gib(hw: perfmodel.Hardware) -> float:
+    return hw.memory_gib * (1 - RESERVE_FRACTION) - RESERVE_GIB
+
+
+class Planner:
+    """Memoised :func:`perfmodel.evaluate` of (mode, recompute choice, sequence length)."""
+
+    def __init__(self, values: Dict, hw: perfmodel.Hardware, nodes: int, cp: int, scenario: str):
+        self.values = {k: v for k, v in values.items() if k not in RECOMPUTE_KEYS}
+        self.hw, self.world, self.cp, self.scenario = hw, nodes * hw.gpus_per_node, cp, scenario
+        self.limit = usable_gib(hw)
+        self._points: Dict = {}
+
+    def point(self, mode: str, choice: str, seq: int) -> Dict:
+        key = (mode, choice, seq)
+        if key not in self._points:
+            v = dict(self.values, seq_length=seq, **CHOICES[choice])
+            v["max_position_embeddings"] = max(seq, v.get("max_position_embeddings") or 0)
+            r = perfmodel.evaluate(copy.deepcopy(v), mode, self.hw, self.world, self.cp, brief=True)
+            self._points[key] = {"peak_gib": r["peak_gib"], "fits": r["peak_gib"] <= self.limit,
+                                 "tokens_per_s": r[self.scenario]["tokens_per_s_cluster"],
+                                 "step_s": r[self.scenario]["step_s"], "mfu": r[self.scenario]["mfu"]}
+        return self._points[key]
+
+    def choices(self, mode: str) -> List[str]:
+        return [c for c in CHOICES if (mode, c) not in NOT_APPLICABLE]
+
+    def longest(self, mode: str, start: int) -> Optional[int]:
+        """The longest multiple of GRANULARITY that fits with the least-memory choice (None
+        if not even GRANULARITY tokens fit): doubling or halving from ``start``, then bisection."""
+        fits = lambda seq: self.point(mode, LEAST_MEMORY, seq)["fits"]  # noqa: E731
+        lo = hi = max(GRANULARITY, start // GRANULARITY * GRANULARITY)
+        if fits(lo):
+            while hi < MAX_SEQ and fits(hi):
+                lo, hi = hi, min(2 * hi, MAX_SEQ)
+            if fits(hi):
+                return hi
+        else:
+            while lo > GRANULARITY and not fits(lo):
+                hi, lo = lo, max(GRANULARITY, lo // 2 // GRANULARITY * GRANULARITY)
+            if not fits(lo):
+                return None
+        while hi - lo > GRANULARITY:
+            mid = (lo + hi) // 2 // GRANULARITY * GRANULARITY
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        return lo
+
+    def at(self, mode: str, seq: int) -> Dict:
+        """Every applicable choice at ``seq``; ``best``: the fastest that fits (or None)."""
+        rows = {c: self.point(mode, c, seq) for c in self.choices(mode)}
+        fitting = [c for c, r in rows.items() if r["fits"]]
+        return {"choices": rows, "best": max(fitting, key=lambda c: rows[c]["tokens_per_s"]) if fitting else None}
+
+
+def plan(config_path: str, hw: perfmodel.Hardware, nodes: int = 1, modes: List[str] = ("tsp", "tp-sp", "tp-cp"),
+         cp: int = 2, scenario: str = "overlap", grid: Optional[List[int]] = None,
+         overrides: Optional[Dict] = None) -> Dict:
+    values = cfg.load_config(config_path)
+    values.update(overrides or {})
+    if scenario not in perfmodel.SCENARIOS:
+        raise cfg.ConfigError(f"--scenario {scenario!r}: use one of {', '.join(perfmodel.SCENARIOS)}")
+    world = nodes * hw.gpus_per_node
+    for mode in modes:  # every mode's arguments are checked before the first (slow) plan
+        cfg.check_world_size(cfg.resolve(memory.mode_values(values, mode, cp)), world, "--nodes x gpus_per_node")
+    planner = Planner(values, hw, nodes, cp, scenario)
+    seq = cfg.resolve(values).seq_length
+    result = {"setup": run_record(config=config_path), "config": config_path, "hardware": hw.__dict__,
+              "nodes": nodes, "scenario": scenario, "seq_length": seq, "usable_gib": planner.limit,
+              "reserve": {"fraction": RESERVE_FRACTION, "gib": RESERVE_GIB}, "granularity": GRANULARITY,
+              "not_applicable": {f"{m} {c}": why for (m, c), why in NOT_APPLICABLE.items() if m in modes},
+              "modes": {}}
+    for mode in modes:
+        longest = planner.longest(mode, seq)
+        result["modes"][mode] = {
+            "longest_seq_length": longest, "longest_with": LEAST_MEMORY if longest else None,
+            "at_seq_length": planner.at(mode, seq),
+            "grid": {s: planner.at(mode, s) for s in (grid or [])},
+        }
+    return result
+
+
+def table(result: Dict) -> str:
+    hw = result["hardware"]
+    lines = [f"{result['config']} on {result['nodes']} node(s) x {hw['gpus_per_node']} {hw['name']} "
+             f"({hw['memory_gib']:.0f} GiB; usable {result['usable_gib']:.1f} GiB after a {result['reserve']['fraction']:.0%}"
+             f" + {result['reserve']['gib']:.0f} GiB reserve), tokens/s in scenario '{result['scenario']}'",
+             "", "| mode | longest S that fits | with recompute |", "|---|---|---|"]
+    for mode, r in result["modes"].items():
+        longest = f"{r['longest_seq_length']:,}" if r["longest_seq_length"] else "none fits"
+        lines.append(f"| {mode} | {longest} | {r['longest_with'] or '-'} |")
+    lines += ["", f"At S = {result['seq_length']:,}:", "",
+              "| mode | recompute | peak GiB | fits | cluster tokens/s | MFU | best |", "|---|---|---|---|---|---|---|"]
+    for mode, r in result["modes"].items():
+        at = r["at_seq_length"]
+        for choice, p in at["choices"].items():
+            lines.append(f"| {mode} | {choice} | {p['peak_gib']:.1f} | {'yes' if p['fits'] else 'no'} | "
+                         f"{p['tokens_per_s']:,.0f} | {p['mfu']:.1%} | {'<- fastest that fits' if choice == at['best'] else ''} |")
+    for what, why in result["not_applicable"].items():
+        lines.append(f"\n{what}: not applicable ({why})")
+    return "\n".join(lines)
+
+
+def plot(result: Dict, path: str) -> None:
+    """Left: peak memory (least-memory choice) against S per mode, with the usable limit;
+    right: tokens/s of the fastest fitting choice against S."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (mem, speed) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for mode, r in result["modes"].items():
+        seqs = sorted(int(s) for s in r["grid"])
+        mem.plot(seqs, [r["grid"][s]["choices"][LEAST_MEMORY]["peak_gib"] for s in seqs], marker="o", label=mode)
+        best = [(s, r["grid"][s]["choices"][r["grid"][s]["best"]]["tokens_per_s"]) for s in seqs if r["grid"][s]["best"]]
+        if best:
+            speed.plot(*zip(*best), marker="o", label=mode)
+    mem.axhline(result["usable_gib"], color="k", linestyle="--", label=f"usable {result['usable_gib']:.0f} GiB")
+    for ax, ylabel in ((mem, f"peak GiB of rank 0 ({LEAST_MEMORY} recompute)"),
+                       (speed, f"cluster tokens/s, fastest fitting recompute ({result['scenario']})")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("sequence length")
+        ax.set_ylabel(ylabel)
+        ax.legend(fontsize=8)
+    hw = result["hardware"]
+    fig.suptitle(f"{result['config']}: {result['nodes']} x {hw['gpus_per_node']} {hw['name']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

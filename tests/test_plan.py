@@ -1,0 +1,59 @@
+"""`megatron-tsp plan`: the bisection lands on the boundary the planner itself draws, and the
+fastest fitting recompute choice is the one marked."""
+
+import dataclasses
+import os
+
+import pytest
+
+from megatron_tsp import perfmodel, plan
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+H100 = perfmodel.load_hardware(os.path.join(ROOT, "configs", "hardware", "h100.yaml"))
+TINY = dict(num_layers=2, hidden_size=64, num_attention_heads=8, ffn_hidden_size=256, seq_length=2048,
+            position_embedding_type="rope", normalization="RMSNorm", disable_bias_linear=True,
+            attention_dropout=0.0, hidden_dropout=0.0, bf16=True, tsp_size=8, mock_data=True, vocab_size=1000,
+            use_distributed_optimizer=True)
+
+
+def _gpu_with_room_for(values, mode, seq):
+    """An H100 whose usable memory ends at the full-recompute peak of ``seq`` tokens."""
+    probe = plan.Planner(values, H100, 1, 2, "overlap").point(mode, plan.LEAST_MEMORY, seq)["peak_gib"]
+    memory = (probe + plan.RESERVE_GIB) / (1 - plan.RESERVE_FRACTION)
+    return dataclasses.replace(H100, memory_gib=memory)
+
+
+@pytest.mark.parametrize("mode", ["tsp", "tp-sp"])
+def test_bisection_finds_the_boundary(mode):
+    hw = _gpu_with_room_for(TINY, mode, 37 * plan.GRANULARITY)
+    planner = plan.Planner(TINY, hw, 1, 2, "overlap")
+    longest = planner.longest(mode, start=TINY["seq_length"])
+    assert longest is not None and longest % plan.GRANULARITY == 0
+    assert planner.point(mode, plan.LEAST_MEMORY, longest)["fits"]
+    assert not planner.point(mode, plan.LEAST_MEMORY, longest + plan.GRANULARITY)["fits"]
+
+
+def test_nothing_fits_on_a_gpu_too_small():
+    hw = dataclasses.replace(H100, memory_gib=plan.RESERVE_GIB)
+    assert plan.Planner(TINY, hw, 1, 2, "overlap").longest("tsp", start=2048) is None
+
+
+def test_the_fastest_fitting_choice_is_marked():
+    planner = plan.Planner(TINY, H100, 1, 2, "overlap")
+    at = planner.at("tp-sp", 2048)
+    assert set(at["choices"]) == set(plan.CHOICES)
+    assert "selective core_attn" not in planner.at("tsp", 2048)["choices"]
+    fitting = {c: r["tokens_per_s"] for c, r in at["choices"].items() if r["fits"]}
+    assert at["best"] == max(fitting, key=fitting.get)
+    # recomputation costs time and saves memory
+    assert at["choices"]["full"]["tokens_per_s"] < at["choices"]["none"]["tokens_per_s"]
+    assert at["choices"]["full"]["peak_gib"] < at["choices"]["none"]["peak_gib"]
+
+
+def test_peak_memory_extrapolates_exactly_in_the_layer_count():
+    from megatron_tsp import memory
+
+    values = dict(TINY, num_layers=4)
+    planned = memory.plan(dict(values), "tsp")["peak_gib"]
+    counts = perfmodel.layer_counts(values, "tsp")
+    assert perfmodel.totals_for(counts, 4)["peak_gib"] == pytest.approx(planned, rel=1e-9)
