@@ -12,7 +12,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 H100 = perfmodel.load_hardware(os.path.join(ROOT, "configs", "hardware", "h100.yaml"))
 TINY = dict(num_layers=2, hidden_size=64, num_attention_heads=8, ffn_hidden_size=256, seq_length=2048,
             position_embedding_type="rope", normalization="RMSNorm", disable_bias_linear=True,
-            attention_dropout=0.0, hidden_dropout=0.0, bf16=True, tsp_size=8, mock_data=True, vocab_size=1000,
+            attention_dropout=0.0, hidden_dropout=0.0, bf16=True, tsp_size=4, mock_data=True, vocab_size=1000,
             use_distributed_optimizer=True)
 
 
@@ -25,7 +25,7 @@ def _gpu_with_room_for(values, mode, seq):
 
 @pytest.mark.parametrize("mode", ["tsp", "tp-sp"])
 def test_bisection_finds_the_boundary(mode):
-    hw = _gpu_with_room_for(TINY, mode, 37 * plan.GRANULARITY)
+    hw = _gpu_with_room_for(TINY, mode, 13 * plan.GRANULARITY)
     planner = plan.Planner(TINY, hw, 1, 2, "overlap")
     longest = planner.longest(mode, start=TINY["seq_length"])
     assert longest is not None and longest % plan.GRANULARITY == 0
