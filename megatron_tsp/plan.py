@@ -65,7 +65,9 @@ class Planner:
             r = perfmodel.evaluate(copy.deepcopy(v), mode, self.hw, self.world, self.cp, brief=True)
             self._points[key] = {"peak_gib": r["peak_gib"], "fits": r["peak_gib"] <= self.limit,
                                  "tokens_per_s": r[self.scenario]["tokens_per_s_cluster"],
-                                 "step_s": r[self.scenario]["step_s"], "mfu": r[self.scenario]["mfu"]}
+                                 "step_s": r[self.scenario]["step_s"], "mfu": r[self.scenario]["mfu"],
+                                 "tokens_per_s_by_scenario": {k: r[k]["tokens_per_s_cluster"]
+                                                              for k in perfmodel.SCENARIOS}}
         return self._points[key]
 
     def choices(self, mode: str) -> List[str]:
@@ -128,19 +130,24 @@ def plan(config_path: str, hw: perfmodel.Hardware, nodes: int = 1, modes: List[s
 def table(result: Dict) -> str:
     hw = result["hardware"]
     lines = [f"{result['config']} on {result['nodes']} node(s) x {hw['gpus_per_node']} {hw['name']} "
-             f"({hw['memory_gib']:.0f} GiB; usable {result['usable_gib']:.1f} GiB after a {result['reserve']['fraction']:.0%}"
+             f"({hw['memory_gib']:.1f} GiB; usable {result['usable_gib']:.1f} GiB after a {result['reserve']['fraction']:.0%}"
              f" + {result['reserve']['gib']:.0f} GiB reserve), tokens/s in scenario '{result['scenario']}'",
              "", "| mode | longest S that fits | with recompute |", "|---|---|---|"]
     for mode, r in result["modes"].items():
         longest = f"{r['longest_seq_length']:,}" if r["longest_seq_length"] else "none fits"
         lines.append(f"| {mode} | {longest} | {r['longest_with'] or '-'} |")
-    lines += ["", f"At S = {result['seq_length']:,}:", "",
-              "| mode | recompute | peak GiB | fits | cluster tokens/s | MFU | best |", "|---|---|---|---|---|---|---|"]
+    others = [k for k in perfmodel.SCENARIOS if k != result["scenario"]]
+    lines += ["", f"At S = {result['seq_length']:,} (cluster tokens/s; the fastest that fits is marked in "
+                  f"'{result['scenario']}'):", "",
+              f"| mode | recompute | peak GiB | fits | {result['scenario']} | MFU | " + " | ".join(others) + " | best |",
+              "|---|---|---|---|---|---|" + "---|" * len(others) + "---|"]
     for mode, r in result["modes"].items():
         at = r["at_seq_length"]
         for choice, p in at["choices"].items():
+            rest = " | ".join(f"{p['tokens_per_s_by_scenario'][k]:,.0f}" for k in others)
             lines.append(f"| {mode} | {choice} | {p['peak_gib']:.1f} | {'yes' if p['fits'] else 'no'} | "
-                         f"{p['tokens_per_s']:,.0f} | {p['mfu']:.1%} | {'<- fastest that fits' if choice == at['best'] else ''} |")
+                         f"{p['tokens_per_s']:,.0f} | {p['mfu']:.1%} | {rest} | "
+                         f"{'<- fastest that fits' if choice == at['best'] else ''} |")
     for what, why in result["not_applicable"].items():
         lines.append(f"\n{what}: not applicable ({why})")
     return "\n".join(lines)
