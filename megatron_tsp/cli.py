@@ -251,6 +251,15 @@ def _int_list(text: str) -> List[int]:
     return [POSITIVE_INT(x) for x in _name_list(text)]
 
 
+def _add_cluster_arguments(parser: argparse.ArgumentParser, modes: str) -> None:
+    """CONFIG, the GPU profile, the job's size and the modes to compare (predict, plan)."""
+    parser.add_argument("config", help="YAML config")
+    parser.add_argument("--hardware", required=True, help="configs/hardware/<name>.yaml")
+    parser.add_argument("--nodes", type=POSITIVE_INT, default=1, help="nodes of the job")
+    parser.add_argument("--modes", type=_name_list, default=modes, help="comma-separated modes")
+    parser.add_argument("--cp", type=POSITIVE_INT, default=2, help="context-parallel size of tp-cp")
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse with a one-line error (its default prints the whole usage first)."""
 
@@ -315,11 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
         "predict", parents=[common], help="step time and tokens/s from counted FLOPs and bytes on a hardware profile",
         description="Counts FLOPs and collective bytes of the real model with the memory planner "
                     "(1 and 2 layers, extrapolated) and times them on a hardware profile.")
-    pred.add_argument("config", help="YAML config")
-    pred.add_argument("--hardware", required=True, help="configs/hardware/<name>.yaml")
-    pred.add_argument("--nodes", type=POSITIVE_INT, default=1, help="nodes of the job")
-    pred.add_argument("--modes", type=_name_list, default="tsp,tp,tp-sp,tp-cp", help="comma-separated modes")
-    pred.add_argument("--cp", type=POSITIVE_INT, default=2, help="context-parallel size of tp-cp")
+    _add_cluster_arguments(pred, modes="tsp,tp,tp-sp,tp-cp")
     pred.add_argument("--sweep", type=_int_list, default=None,
                       help="comma-separated sequence lengths for the TSP / TP+SP crossover")
     pred.add_argument("--json", help="write the results here")
@@ -331,11 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Per mode: the longest sequence length that fits in the GPU's memory (bisection on the "
                     "memory planner) and, at the config's length, every recompute choice with peak memory, "
                     "whether it fits and tokens/s from the performance model.")
-    pl.add_argument("config", help="YAML config")
-    pl.add_argument("--hardware", required=True, help="configs/hardware/<name>.yaml")
-    pl.add_argument("--nodes", type=POSITIVE_INT, default=1, help="nodes of the job")
-    pl.add_argument("--modes", type=_name_list, default="tsp,tp-sp,tp-cp", help="comma-separated modes")
-    pl.add_argument("--cp", type=POSITIVE_INT, default=2, help="context-parallel size of tp-cp")
+    _add_cluster_arguments(pl, modes="tsp,tp-sp,tp-cp")
     pl.add_argument("--scenario", default="overlap", help="performance-model scenario: overlap, no_tp_overlap, no_overlap")
     pl.add_argument("--grid", type=_int_list, default=None,
                     help="comma-separated sequence lengths for the picture (every choice at each)")

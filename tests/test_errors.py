@@ -237,6 +237,15 @@ def test_bench_checks_before_starting_ranks(capsys, flags, message):
     assert message in one_line(capsys, ["bench", *flags], code=2)
 
 
+@pytest.mark.parametrize("flags,message", [
+    (["--scenario", "fastest"], "--scenario 'fastest': use one of overlap"),
+    (["--nodes", "0"], "argument --nodes"),
+    (["--modes", "tsp,fsdp"], "unknown mode 'fsdp'"),
+])
+def test_plan_checks_before_planning(capsys, flags, message):
+    assert message in one_line(capsys, ["plan", MODEL_7B, "--hardware", H100, *flags], code=2)
+
+
 def test_memory_with_a_non_yaml_config(capsys, tmp_path):
     path = _write(tmp_path, "c.yaml", "a: [\n")
     assert "not valid YAML" in one_line(capsys, ["memory", path], code=2)
