@@ -193,19 +193,19 @@ def activation_terms(args, mode: str) -> Dict[str, Dict[str, float]]:
     without recompute: ``{"formula": ..., "implementation": ...}``.
 
     ``formula`` is Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
-    Transformer Models", eq. 2 with sequence parallelism, ``sbh(34 + 5as/h)/t``) for a
-    flash-style attention kernel (no score matrix: the ``5as/h`` term becomes the kernel's
-    output and its log-sum-exp) and no dropout (no masks: 34 -> 32 at h-sized GQA-free
-    shapes), written per tensor with grouped-query K/V and SwiGLU's doubled fc1 output. TSP
-    keeps the same tensors except the MLP activation's output, which its backward recomputes
-    from the fc1 output (mlp.py). ``implementation`` holds what the measured modules keep
-    beyond the formula, each verified in ``tests/test_memory.py``: torch's RMSNorm (no fused
-    kernel for bf16 input with fp32 weights) keeps fp32 copies of its input and of the
-    normalised product instead of the bf16 input; megatron's unfused SwiGLU (no
-    ``bias_activation_fusion`` on CPU) keeps ``silu(x1)`` and ``x2 + offset`` for the
-    product; megatron's RoPE keeps rotated copies of
-    Q and K (the unrotated QKV output stays alive as the storage V is a view of) and bf16
-    cos/sin tables for the whole sequence; TSP keeps only fp32 frequencies for its tokens.
+    Transformer Models", eq. 2 with sequence parallelism, ``sbh(34 + 5as/h)/t``) written
+    tensor by tensor, for a flash-style attention kernel (no score matrix: the ``5as/h`` term
+    becomes the kernel's output and log-sum-exp) and no dropout (no masks: 34 becomes 32),
+    with grouped-query K/V and SwiGLU's doubled fc1 output. TSP keeps the same tensors but
+    the MLP activation's output, which its backward recomputes from the fc1 output (mlp.py).
+
+    ``implementation`` holds what the measured modules keep beyond the formula (each checked
+    in ``tests/test_memory.py``): torch's RMSNorm, without a fused kernel for bf16 input and
+    fp32 weights, keeps fp32 copies of its input and of the normalised product instead of
+    the bf16 input; megatron's unfused SwiGLU keeps ``silu(x1)`` and ``x2 + offset`` for the
+    product; megatron's RoPE keeps rotated copies of Q and K (the unrotated QKV output stays
+    alive too, as V is a view of it) and bf16 cos/sin tables for the whole sequence; TSP
+    keeps only fp32 frequencies for its own tokens.
     """
     e = 2 if args.bf16 or args.fp16 else 4
     t = args.tsp_size * args.tensor_model_parallel_size
