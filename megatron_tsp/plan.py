@@ -12,7 +12,8 @@ layers (FakeTensorMode, rank 0 of the job), extrapolated linearly in the layer c
 memory and speed come from one planning. A setting fits when its peak is at most the GPU's
 memory less a reserve for what the planner does not see (CUDA context, the collective
 library's buffers, allocator fragmentation): :data:`RESERVE_FRACTION` of the memory plus
-:data:`RESERVE_GIB`.
+:data:`RESERVE_GIB`. The choices are megatron-core's for a dense GPT layer but ``layernorm``,
+which megatron-core 0.16.1 runs only with TransformerEngine (see ``preflight``).
 """
 
 from __future__ import annotations
@@ -41,7 +42,6 @@ NOT_APPLICABLE = {
     ("tsp", "selective core_attn"): "TSP attention has no megatron core_attention; it keeps only its "
                                     "flash output and log-sum-exp already",
 }
-# megatron's "layernorm" recompute needs TransformerEngine in megatron-core 0.16.1 (see preflight).
 
 
 def usable_gib(hw: perfmodel.Hardware) -> float:
