@@ -89,7 +89,7 @@ def test_a_stopped_rank_fails_the_job_within_the_collective_timeout():
         pool.run(_train_and_stop_rank_1, timeout_s=120)
     elapsed = time.monotonic() - start
     summary = failure.value.summary
-    assert elapsed < 40, elapsed  # 6 s collective timeout, 5 s for the others to report, start-up
+    assert elapsed < 60, elapsed  # 6 s collective timeout + 5 s for the others to report + start-up; not 120
     assert summary.startswith("rank 0: ") and "rank(s) [1] stopped answering" in summary, summary
     assert "is stopped, SIGSTOP" in summary and len(summary.splitlines()) == 1
     assert not pool.alive
