@@ -241,10 +241,10 @@ def check_values(ns: argparse.Namespace) -> None:
 
     for key in POSITIVE_INTS:
         value = getattr(ns, key)
-        if value is not None and value < 1:
+        if (value is None and ARGUMENTS[key].default is not None) or (value is not None and value < 1):
             raise bad(key, "a positive integer")
     for key in NON_NEGATIVE + POSITIVE_FLOATS + FRACTIONS:
-        if not math.isfinite(getattr(ns, key)):
+        if getattr(ns, key) is None or not math.isfinite(getattr(ns, key)):
             raise bad(key, "a finite number")
     for key in NON_NEGATIVE:
         if getattr(ns, key) < 0:

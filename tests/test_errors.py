@@ -64,6 +64,13 @@ def test_bad_config_files(capsys, tmp_path, content, mode, message):
     assert message in line and "run.yaml" in line
 
 
+@pytest.mark.parametrize("key,message", [("num_layers", "must be a positive integer (got None)"),
+                                         ("lr", "must be a finite number (got None)")])
+def test_a_required_value_set_to_null(capsys, tmp_path, key, message):
+    path = _write(tmp_path, "run.yaml", f"extends: {TINY}\n{key}: null\n")
+    assert message in one_line(capsys, ["args", path], code=2)
+
+
 def test_a_directory_is_not_a_config(capsys, tmp_path):
     assert "is a directory" in one_line(capsys, ["args", str(tmp_path)], code=2)
 
