@@ -15,15 +15,19 @@ broadcast            n (0 on the source)                  (D-1)·n on the source
 all_gather           (D-1)·n_local                        (D-1)·n_local
 reduce_scatter       (D-1)·n_out                          (D-1)·n_out
 reduce               (D-1)·n on the destination, else 0   n off the destination, else 0
+all_reduce (ring)    2(D-1)/D·n                           2(D-1)/D·n
 send / recv          n per recv                           n per send
 ===================  ==================================  =================================
+
+:func:`traffic` is that table; :mod:`megatron_tsp.instrument` counts megatron's collectives
+with it too, so every count in the project follows one convention.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections import defaultdict
-from typing import Dict, Iterator, List, Sequence, Tuple
+from typing import Dict, Iterator, List, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -68,41 +72,52 @@ def scope(name: str) -> Iterator[None]:
         COUNTER._scopes.pop()
 
 
-def _nbytes(t: torch.Tensor) -> int:
+def logical_bytes(t: Union[torch.Tensor, Sequence[torch.Tensor]]) -> int:
+    """Bytes of a tensor, or of a list of tensors."""
+    if isinstance(t, (list, tuple)):
+        return sum(logical_bytes(x) for x in t)
     return t.numel() * t.element_size()
+
+
+def traffic(primitive: str, n: int, group_size: int, root: bool = False) -> Tuple[int, int]:
+    """(sent, received) bytes of this rank for one collective, as in the table above. ``n``:
+    the local shard of an all-gather, the output shard of a reduce-scatter, the tensor
+    otherwise; ``root``: this rank is the broadcast's source or the reduce's destination."""
+    d = group_size
+    if primitive in ("all_gather", "reduce_scatter"):
+        return (d - 1) * n, (d - 1) * n
+    if primitive == "all_reduce":
+        return 2 * (d - 1) * n // max(d, 1), 2 * (d - 1) * n // max(d, 1)
+    if primitive == "broadcast":
+        return ((d - 1) * n, 0) if root else (0, n)
+    if primitive == "reduce":
+        return (0, (d - 1) * n) if root else (n, 0)
+    raise ValueError(f"no traffic rule for {primitive!r}")
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup, async_op: bool = False):
     """``tensor`` on every rank := ``tensor`` on group rank ``src``."""
-    d = group.size()
-    n = _nbytes(tensor)
-    is_src = group.rank() == src
-    COUNTER.record("broadcast", (d - 1) * n if is_src else 0, 0 if is_src else n)
+    COUNTER.record("broadcast", *traffic("broadcast", logical_bytes(tensor), group.size(), group.rank() == src))
     return dist.broadcast(tensor, src=dist.get_global_rank(group, src), group=group, async_op=async_op)
 
 
 def all_gather(output: torch.Tensor, local: torch.Tensor, group: dist.ProcessGroup,
                async_op: bool = False):
     """``output`` = concatenation over group ranks of ``local`` along dim 0."""
-    n = (group.size() - 1) * _nbytes(local)
-    COUNTER.record("all_gather", n, n)
+    COUNTER.record("all_gather", *traffic("all_gather", logical_bytes(local), group.size()))
     return _all_gather_single()(output, local, group=group, async_op=async_op)
 
 
 def reduce_scatter(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup,
                    async_op: bool = False):
     """``output`` on rank r = sum over ranks of the r-th dim-0 slice of ``full``."""
-    n = (group.size() - 1) * _nbytes(output)
-    COUNTER.record("reduce_scatter", n, n)
+    COUNTER.record("reduce_scatter", *traffic("reduce_scatter", logical_bytes(output), group.size()))
     return _reduce_scatter_single()(output, full, group=group, async_op=async_op)
 
 
 def reduce(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup, async_op: bool = False):
     """``tensor`` on group rank ``dst`` := sum over ranks of ``tensor``."""
-    d = group.size()
-    n = _nbytes(tensor)
-    is_dst = group.rank() == dst
-    COUNTER.record("reduce", 0 if is_dst else n, (d - 1) * n if is_dst else 0)
+    COUNTER.record("reduce", *traffic("reduce", logical_bytes(tensor), group.size(), group.rank() == dst))
     return dist.reduce(tensor, dst=dist.get_global_rank(group, dst), group=group, async_op=async_op)
 
 
@@ -111,7 +126,7 @@ def send_recv(sends: Sequence[Tuple[torch.Tensor, int]], recvs: Sequence[Tuple[t
     """Start point-to-point sends and receives (group ranks) together; return their handles."""
     if not sends and not recvs:
         return []
-    COUNTER.record("send_recv", sum(_nbytes(t) for t, _ in sends), sum(_nbytes(t) for t, _ in recvs))
+    COUNTER.record("send_recv", logical_bytes([t for t, _ in sends]), logical_bytes([t for t, _ in recvs]))
     ops = [dist.P2POp(dist.isend, t, dist.get_global_rank(group, peer), group) for t, peer in sends]
     ops += [dist.P2POp(dist.irecv, t, dist.get_global_rank(group, peer), group) for t, peer in recvs]
     return dist.batch_isend_irecv(ops)

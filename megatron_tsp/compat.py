@@ -26,7 +26,7 @@ import inspect
 import sys
 import textwrap
 from dataclasses import dataclass
-from typing import Callable, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import torch
 
@@ -64,7 +64,7 @@ class _Rewrite:
             new_obj = new_func
         setattr(owner, name, new_obj)
         if not inspect.isclass(owner):
-            _rebind_imported_copies(func, new_func)
+            rebind_in_megatron({id(func): new_func})
 
 
 def _resolve_owner(mod, qualname: str):
@@ -97,14 +97,20 @@ def _compile_like(func: Callable, src: str, cls) -> Callable:
     return new_func
 
 
-def _rebind_imported_copies(old: Callable, new: Callable) -> None:
-    """``from x import f`` elsewhere in megatron keeps the old object: point it at the new."""
+def rebind_in_megatron(replacements: Dict[int, Any]) -> List[Tuple[Any, str, Any]]:
+    """Point every attribute of a loaded megatron module that holds an object of
+    ``replacements`` (keyed by ``id``) at its replacement: ``from x import f`` elsewhere keeps
+    the old object. Returns (module, attribute, old object) of each change, to undo it."""
+    changed = []
     for mod_name, mod in list(sys.modules.items()):
         if mod is None or not mod_name.startswith("megatron."):
             continue
         for attr, value in list(vars(mod).items()):
-            if value is old:
+            new = replacements.get(id(value))
+            if new is not None and new is not value:
                 setattr(mod, attr, new)
+                changed.append((mod, attr, value))
+    return changed
 
 
 _CUDA = '"cuda"'

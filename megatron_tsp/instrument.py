@@ -11,20 +11,16 @@ conventions as :mod:`megatron_tsp.comm`. Groups are named after megatron's paral
 from __future__ import annotations
 
 import contextlib
-import sys
 from collections import defaultdict
 from typing import Callable, Dict, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
+from megatron_tsp.comm import logical_bytes, traffic
+from megatron_tsp.compat import rebind_in_megatron
+
 Records = Dict[str, Dict[str, Dict[str, Dict[str, int]]]]  # group -> phase -> primitive -> counts
-
-
-def _nbytes(t) -> int:
-    if isinstance(t, (list, tuple)):
-        return sum(_nbytes(x) for x in t)
-    return t.numel() * t.element_size()
 
 
 def group_names() -> Dict[int, str]:
@@ -42,7 +38,7 @@ def group_names() -> Dict[int, str]:
         "mp": lambda: mpu.get_model_parallel_group(),
         "dist_opt": lambda: mpu.get_intra_distributed_optimizer_instance_group(check_initialized=False),
         "embd": lambda: mpu.get_embedding_group(check_initialized=False),
-        "tsp_weight": lambda: tsp_state._TSP_WEIGHT_GROUP,
+        "tsp_weight": lambda: tsp_state.get_tsp_weight_group(),
     }
     names: Dict[int, str] = {id(dist.group.WORLD): "world"}
     for name, get in getters.items():
@@ -59,117 +55,115 @@ def _phase() -> str:
     return "backward" if torch._C._current_graph_task_id() != -1 else "forward"
 
 
-@contextlib.contextmanager
-def count_collectives(on_output: Optional[Callable[[torch.Tensor], None]] = None) -> Iterator[Records]:
-    """Record the collectives issued inside the block; ``on_output`` sees every receive buffer."""
-    records: Records = defaultdict(lambda: defaultdict(lambda: defaultdict(
-        lambda: {"calls": 0, "bytes_sent": 0, "bytes_received": 0})))
-    names = group_names()
+class _Recorder:
+    """Counts of one :func:`count_collectives` block. Its methods are the hooks, one per
+    ``torch.distributed`` call (:data:`HOOKS`), each called with that call's arguments;
+    bytes follow :func:`megatron_tsp.comm.traffic`."""
 
-    def record(group, primitive, sent, received):
-        name = names.get(id(group), "world" if group is None else f"group{group.size()}")
-        entry = records[name][_phase()][primitive]
+    def __init__(self, on_output: Optional[Callable[[torch.Tensor], None]]):
+        self.records: Records = defaultdict(lambda: defaultdict(lambda: defaultdict(
+            lambda: {"calls": 0, "bytes_sent": 0, "bytes_received": 0})))
+        self.names = group_names()
+        self.on_output = on_output
+
+    def record(self, group, primitive: str, sent: int, received: int) -> None:
+        name = self.names.get(id(group), "world" if group is None else f"group{group.size()}")
+        entry = self.records[name][_phase()][primitive]
         entry["calls"] += 1
         entry["bytes_sent"] += sent
         entry["bytes_received"] += received
 
-    def size(group):
-        return dist.get_world_size(group)
+    def collective(self, primitive: str, n: int, group, root: bool = False) -> None:
+        self.record(group, primitive, *traffic(primitive, n, dist.get_world_size(group), root))
 
-    def rank(group):
-        return dist.get_rank(group)
-
-    def out(t):
-        if on_output is not None:
+    def received(self, t) -> None:
+        if self.on_output is not None:
             for x in t if isinstance(t, (list, tuple)) else [t]:
-                on_output(x)
+                self.on_output(x)
 
-    def all_gather_tensor(output, inp, group=None, **kw):
-        n = (size(group) - 1) * _nbytes(inp)
-        record(group, "all_gather", n, n)
-        out(output)
+    def all_gather(self, output, inp, group=None, **kw):
+        self.collective("all_gather", logical_bytes(inp), group)
+        self.received(output)
 
-    def all_gather_list(outputs, inp, group=None, **kw):
-        n = (size(group) - 1) * _nbytes(inp)
-        record(group, "all_gather", n, n)
-        out(outputs)
+    def reduce_scatter(self, output, inp, op=None, group=None, **kw):
+        self.collective("reduce_scatter", logical_bytes(output), group)
+        self.received(output)
 
-    def reduce_scatter_tensor(output, inp, op=None, group=None, **kw):
-        n = (size(group) - 1) * _nbytes(output)
-        record(group, "reduce_scatter", n, n)
-        out(output)
+    def all_reduce(self, tensor, op=None, group=None, **kw):
+        self.collective("all_reduce", logical_bytes(tensor), group)
 
-    def all_reduce(tensor, op=None, group=None, **kw):
-        n = 2 * (size(group) - 1) * _nbytes(tensor) // max(size(group), 1)  # ring all-reduce
-        record(group, "all_reduce", n, n)
-
-    def broadcast(tensor, src=None, group=None, **kw):
-        n = _nbytes(tensor)
-        is_src = kw.get("group_src", None) == rank(group) if src is None else src == dist.get_rank()
-        record(group, "broadcast", (size(group) - 1) * n if is_src else 0, 0 if is_src else n)
+    def broadcast(self, tensor, src=None, group=None, **kw):
+        is_src = kw.get("group_src", None) == dist.get_rank(group) if src is None else src == dist.get_rank()
+        self.collective("broadcast", logical_bytes(tensor), group, root=is_src)
         if not is_src:
-            out(tensor)
+            self.received(tensor)
 
-    def reduce(tensor, dst=None, op=None, group=None, **kw):
-        n = _nbytes(tensor)
-        is_dst = kw.get("group_dst", None) == rank(group) if dst is None else dst == dist.get_rank()
-        record(group, "reduce", 0 if is_dst else n, (size(group) - 1) * n if is_dst else 0)
+    def reduce(self, tensor, dst=None, op=None, group=None, **kw):
+        is_dst = kw.get("group_dst", None) == dist.get_rank(group) if dst is None else dst == dist.get_rank()
+        self.collective("reduce", logical_bytes(tensor), group, root=is_dst)
 
-    def batch_isend_irecv(ops):
+    def batch_isend_irecv(self, ops):
         by_group = defaultdict(lambda: [0, 0])
         for op in ops:
             recv = op.op in (dist.irecv, dist.recv)
-            by_group[id(op.group)][1 if recv else 0] += _nbytes(op.tensor)
+            by_group[id(op.group)][1 if recv else 0] += logical_bytes(op.tensor)
             if recv:
-                out(op.tensor)
+                self.received(op.tensor)
         for op in {id(o.group): o for o in ops}.values():
-            sent, received = by_group[id(op.group)]
-            record(op.group, "send_recv", sent, received)
+            self.record(op.group, "send_recv", *by_group[id(op.group)])
 
-    hooks = {
-        "all_gather_into_tensor": all_gather_tensor,
-        "all_gather_single": all_gather_tensor,
-        "_all_gather_base": all_gather_tensor,
-        "all_gather": all_gather_list,
-        "reduce_scatter_tensor": reduce_scatter_tensor,
-        "reduce_scatter_single": reduce_scatter_tensor,
-        "_reduce_scatter_base": reduce_scatter_tensor,
-        "all_reduce": all_reduce,
-        "broadcast": broadcast,
-        "reduce": reduce,
-        # point-to-point goes through batch_isend_irecv (megatron's default batch_p2p_comm
-        # and TSP's ring); P2POp checks its op against the unwrapped isend/irecv.
-        "batch_isend_irecv": batch_isend_irecv,
-    }
-    originals = {name: getattr(dist, name) for name in hooks if hasattr(dist, name)}
 
-    def wrap(name, original):
-        hook = hooks[name]
+# torch.distributed name -> hook. Point-to-point goes through batch_isend_irecv (megatron's
+# default batch_p2p_comm and TSP's ring); P2POp checks its op against the unwrapped isend/irecv.
+HOOKS = {
+    "all_gather_into_tensor": _Recorder.all_gather,
+    "all_gather_single": _Recorder.all_gather,
+    "_all_gather_base": _Recorder.all_gather,
+    "all_gather": _Recorder.all_gather,
+    "reduce_scatter_tensor": _Recorder.reduce_scatter,
+    "reduce_scatter_single": _Recorder.reduce_scatter,
+    "_reduce_scatter_base": _Recorder.reduce_scatter,
+    "all_reduce": _Recorder.all_reduce,
+    "broadcast": _Recorder.broadcast,
+    "reduce": _Recorder.reduce,
+    "batch_isend_irecv": _Recorder.batch_isend_irecv,
+}
 
+
+@contextlib.contextmanager
+def _patched(recorder: _Recorder) -> Iterator[None]:
+    """Every ``torch.distributed`` call of :data:`HOOKS` reports to ``recorder`` first: called
+    as ``torch.distributed.<name>`` or through a name megatron bound at import
+    (``dist_all_gather_func = torch.distributed.all_gather_into_tensor`` in
+    tensor_parallel/mappings.py and distributed/param_and_grad_buffer.py)."""
+    def wrap(hook, original):
         def wrapper(*args, **kwargs):
-            hook(*args, **kwargs)
+            hook(recorder, *args, **kwargs)
             return original(*args, **kwargs)
 
         wrapper.__wrapped__ = original
         return wrapper
 
-    wrappers = {id(original): wrap(name, original) for name, original in originals.items()}
-    # Calls as torch.distributed.<name>, and names megatron bound at import
-    # (tensor_parallel/mappings.py and distributed/param_and_grad_buffer.py keep
-    # ``dist_all_gather_func = torch.distributed.all_gather_into_tensor``).
-    patched = [(dist, name, original) for name, original in originals.items()]
-    for mod_name, mod in list(sys.modules.items()):
-        if mod is not None and mod_name.startswith("megatron.") and mod is not dist:
-            for attr, value in list(vars(mod).items()):
-                if callable(value) and id(value) in wrappers:
-                    patched.append((mod, attr, value))
-    for owner, attr, original in patched:
-        setattr(owner, attr, wrappers[id(original)])
+    originals = {name: getattr(dist, name) for name in HOOKS if hasattr(dist, name)}
+    wrappers = {name: wrap(HOOKS[name], original) for name, original in originals.items()}
+    for name, wrapper in wrappers.items():
+        setattr(dist, name, wrapper)
+    changed = rebind_in_megatron({id(originals[name]): wrapper for name, wrapper in wrappers.items()})
     try:
-        yield records
+        yield
     finally:
-        for owner, attr, original in patched:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+        for owner, attr, original in changed:
             setattr(owner, attr, original)
+
+
+@contextlib.contextmanager
+def count_collectives(on_output: Optional[Callable[[torch.Tensor], None]] = None) -> Iterator[Records]:
+    """Record the collectives issued inside the block; ``on_output`` sees every receive buffer."""
+    recorder = _Recorder(on_output)
+    with _patched(recorder):
+        yield recorder.records
 
 
 def totals(records: Records, key: str = "bytes_received") -> Dict[str, Dict[str, int]]:
