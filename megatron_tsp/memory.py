@@ -319,7 +319,7 @@ class _NoCoalescing(contextlib.AbstractContextManager):
         pass
 
 
-def _materialize_optimizer_states(optimizer) -> None:
+def _create_adam_moments(optimizer) -> None:
     """Create Adam's moments the way megatron does before loading a checkpoint: one step
     of the inner optimizer on zero gradients."""
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
@@ -414,7 +414,7 @@ def _step(args, tracker, attention_backend, fake: bool = True, saved_log: Option
         # no memory to speak of). No gloo groups: the fake backend has no peers.
         _, model, optimizer = build(args, attention_backend, clip_grad=0.0, use_gloo_process_groups=False,
                                     transformer_engine=False)
-        _materialize_optimizer_states(optimizer)  # steady state: Adam moments exist
+        _create_adam_moments(optimizer)  # steady state: Adam moments exist
         chunk = model[0]
         grads = [b.grad_data for b in chunk.buffers + chunk.expert_parallel_buffers]
         tracker.tag(grads, "gradients", only_from=None)

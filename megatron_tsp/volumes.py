@@ -1,8 +1,8 @@
 """Bytes received per rank per layer, from the formulas of DESIGN.md section 5.
 
 Written from the design, not from the code, so that tests can hold the counted traffic of
-the real modules (``comm.COUNTER``) against it, and the performance model can use it at
-sizes no test runs. ``e`` is bytes per element; every result is a dict
+the real modules (``comm.COUNTER``) against it (the performance model counts the real
+modules instead, with the memory planner). ``e`` is bytes per element; every result is a dict
 ``{"forward": {primitive: bytes}, "backward": {primitive: bytes}}``.
 """
 
