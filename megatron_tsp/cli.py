@@ -1,7 +1,8 @@
 """The ``megatron-tsp`` command.
 
 A mistake gets one line (``megatron-tsp COMMAND: error: ...``) and a non-zero exit: 2 for a bad
-configuration or argument, 1 for anything that failed while running, 130 for Ctrl-C. A
+configuration or argument, 1 for anything else that stops the command (data files,
+checkpoints, a failure while running), 130 for Ctrl-C. A
 failed rank's traceback goes to ``error.log`` beside the run's log; ``--debug`` prints
 tracebacks instead.
 """
