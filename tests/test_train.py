@@ -1,7 +1,7 @@
 """`megatron-tsp train`, the main job, through its command line: the loss falls, a killed
 run resumes from its checkpoint with the losses of an uninterrupted run (also at D=1, on one
-rank or two data-parallel ranks: the padded vocabulary does not depend on D), and the TP+SP
-baseline starts from the same loss."""
+rank or two data-parallel ranks, and in TP=2+SP: the padded vocabulary does not depend on
+the layout), and the TP+SP baseline starts from the same loss."""
 
 import json
 import os
@@ -88,11 +88,15 @@ def test_killed_run_resumes_with_the_same_losses(tmp_path, killed, uninterrupted
         assert (r["loss"], r["grad_norm"], r["lr"]) == (ref["loss"], ref["grad_norm"], ref["lr"]), r["iteration"]
 
 
-@pytest.mark.parametrize("ranks", ["1", "2"], ids=["d1", "d1-dp2"])
-def test_d2_checkpoint_resumes_at_d1(tmp_path, killed, uninterrupted, ranks):
+@pytest.mark.parametrize("layout", [
+    ["--tsp-size", "1", "--nproc", "1"],
+    ["--tsp-size", "1", "--nproc", "2"],
+    ["--tsp-size", "1", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
+], ids=["d1", "d1-dp2", "tp2-sp"])
+def test_d2_checkpoint_resumes_in_other_layouts(tmp_path, killed, uninterrupted, layout):
     _, pristine, saved = killed
-    log = tmp_path / "d1.jsonl"
-    _run(_cmd(tmp_path, log, "--load", str(pristine), "--tsp-size", "1", "--nproc", ranks))
+    log = tmp_path / "resumed.jsonl"
+    _run(_cmd(tmp_path, log, "--load", str(pristine), *layout))
     resumed = _records(log)
     assert resumed[0]["iteration"] == saved + 1
     for r in resumed[:3]:  # a different layout sums in another order: close, not equal
