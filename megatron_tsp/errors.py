@@ -24,4 +24,4 @@ class CheckpointError(UserError):
 
 
 class TrainingStopped(UserError):
-    """The run stopped on purpose: a NaN/Inf loss or gradient norm, a run already complete."""
+    """Training stopped on purpose: a NaN/Inf loss or gradient norm."""
