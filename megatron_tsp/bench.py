@@ -110,9 +110,9 @@ def check_setup(values: Dict, seqs: List[int], modes: List[str], nproc: int) -> 
 
 def run(config_path: str, seqs: List[int], modes: List[str], repeats: int, steps: int, warmup: int,
         runner, nproc: int) -> Dict:
-    """``runner(fn, *args)`` runs ``fn`` on every rank and returns the per-rank results."""
+    """``runner(fn, *args)`` runs ``fn`` on every rank and returns the per-rank results. The
+    caller checks the setup first (:func:`check_setup`, before it starts any rank)."""
     values = cfg.load_config(config_path)
-    check_setup(values, seqs, modes, nproc)
     result = {"setup": run_record(config=config_path, ranks=nproc), "repeats": repeats, "steps": steps,
               "warmup": warmup, "results": {}}
     for seq in seqs:

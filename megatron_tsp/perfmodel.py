@@ -171,7 +171,7 @@ def predict(config_path: str, hw: Hardware, nodes: int = 1, modes: List[str] = (
     if seq_lengths:
         sweep = {}
         for seq in seq_lengths:
-            v = dict(values, seq_length=seq, max_position_embeddings=max(seq, values.get("max_position_embeddings") or 0))
+            v = at_seq_length(values, seq)
             sweep[seq] = {mode: evaluate(v, mode, hw, world, cp, brief=True) for mode in ("tsp", "tp-sp")}
         results["sweep"] = sweep
         results["crossover_seq_length"] = {
@@ -180,6 +180,11 @@ def predict(config_path: str, hw: Hardware, nodes: int = 1, modes: List[str] = (
         }
     results["seq_length"] = base_seq
     return results
+
+
+def at_seq_length(values: Dict, seq: int) -> Dict:
+    """The config at sequence length ``seq`` (the position table grown to cover it)."""
+    return dict(values, seq_length=seq, max_position_embeddings=max(seq, values.get("max_position_embeddings") or 0))
 
 
 def evaluate(values: Dict, mode: str, hw: Hardware, world: int, cp: int, brief: bool = False) -> Dict:

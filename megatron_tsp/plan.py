@@ -60,8 +60,7 @@ class Planner:
     def point(self, mode: str, choice: str, seq: int) -> Dict:
         key = (mode, choice, seq)
         if key not in self._points:
-            v = dict(self.values, seq_length=seq, **CHOICES[choice])
-            v["max_position_embeddings"] = max(seq, v.get("max_position_embeddings") or 0)
+            v = dict(perfmodel.at_seq_length(self.values, seq), **CHOICES[choice])
             r = perfmodel.evaluate(copy.deepcopy(v), mode, self.hw, self.world, self.cp, brief=True)
             self._points[key] = {"peak_gib": r["peak_gib"], "fits": r["peak_gib"] <= self.limit,
                                  "tokens_per_s": r[self.scenario]["tokens_per_s_cluster"],
