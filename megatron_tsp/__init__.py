@@ -9,19 +9,19 @@ import importlib
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "TSPSelfAttention": "megatron_tsp.attention",
-    "TSPMLP": "megatron_tsp.mlp",
-    "TSPNorm": "megatron_tsp.norm",
-    "TSPProcessGroupCollection": "megatron_tsp.parallel_state",
-    "destroy_model_parallel": "megatron_tsp.parallel_state",
-    "get_tsp_group": "megatron_tsp.parallel_state",
-    "get_tsp_pg_collection": "megatron_tsp.parallel_state",
-    "get_tsp_rank": "megatron_tsp.parallel_state",
-    "get_tsp_world_size": "megatron_tsp.parallel_state",
-    "initialize_model_parallel": "megatron_tsp.parallel_state",
-    "get_gpt_block_tsp_spec": "megatron_tsp.spec",
-    "get_gpt_layer_tsp_spec": "megatron_tsp.spec",
-    "zigzag_batch": "megatron_tsp.zigzag",
+    "TSPSelfAttention": "megatron_tsp.core.attention",
+    "TSPMLP": "megatron_tsp.core.mlp",
+    "TSPNorm": "megatron_tsp.core.norm",
+    "TSPProcessGroupCollection": "megatron_tsp.core.parallel_state",
+    "destroy_model_parallel": "megatron_tsp.core.parallel_state",
+    "get_tsp_group": "megatron_tsp.core.parallel_state",
+    "get_tsp_pg_collection": "megatron_tsp.core.parallel_state",
+    "get_tsp_rank": "megatron_tsp.core.parallel_state",
+    "get_tsp_world_size": "megatron_tsp.core.parallel_state",
+    "initialize_model_parallel": "megatron_tsp.core.parallel_state",
+    "get_gpt_block_tsp_spec": "megatron_tsp.core.spec",
+    "get_gpt_layer_tsp_spec": "megatron_tsp.core.spec",
+    "zigzag_batch": "megatron_tsp.core.zigzag",
 }
 
 __all__ = sorted(_EXPORTS)

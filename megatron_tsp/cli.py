@@ -43,7 +43,7 @@ def default_config_path() -> str:
 
 
 def _resolve(ns: argparse.Namespace):
-    from megatron_tsp import config
+    from megatron_tsp.run import config
 
     path = ns.config or default_config_path()
     values = config.load_config(path)
@@ -83,7 +83,7 @@ def _init_torchrun(timeout_min: float = 10.0) -> None:
 
 
 def _cmd_args(ns: argparse.Namespace) -> int:
-    from megatron_tsp import config
+    from megatron_tsp.run import config
 
     _, values, _ = _resolve(ns)
     print(" ".join(shlex.quote(flag) for flag in config.to_megatron_flags(values)))
@@ -91,7 +91,7 @@ def _cmd_args(ns: argparse.Namespace) -> int:
 
 
 def _train_rank(args, log_path, collective_timeout_min):
-    from megatron_tsp.train import train
+    from megatron_tsp.run.loop import train
 
     return train(args, log_path, collective_timeout_min)
 
@@ -107,7 +107,7 @@ def _already_done(args, resume: Optional[int]) -> bool:
 
 
 def _cmd_train(ns: argparse.Namespace) -> int:
-    from megatron_tsp import config, data, launch, preflight
+    from megatron_tsp.run import config, data, launch, preflight
 
     path, _, args = _resolve(ns)
     log_path = ns.log_json or os.path.join(
@@ -144,7 +144,7 @@ def _cmd_train(ns: argparse.Namespace) -> int:
 
 
 def _cmd_compare(ns: argparse.Namespace) -> int:
-    from megatron_tsp import compare
+    from megatron_tsp.measure import compare
 
     runs = {os.path.relpath(p): compare.summarize(compare.read_run(p), ns.warmup)
             for p in ns.runs}
@@ -158,7 +158,8 @@ def _cmd_compare(ns: argparse.Namespace) -> int:
 
 
 def _cmd_memory(ns: argparse.Namespace) -> int:
-    from megatron_tsp import config, memory
+    from megatron_tsp.measure import memory
+    from megatron_tsp.run import config
 
     result = memory.plan_modes(ns.config, ns.modes, world_size=ns.world_size, cp=ns.cp,
                                overrides=config.overrides(ns), per_layer=ns.per_layer)
@@ -173,7 +174,8 @@ def _cmd_memory(ns: argparse.Namespace) -> int:
 
 
 def _cmd_predict(ns: argparse.Namespace) -> int:
-    from megatron_tsp import config, perfmodel
+    from megatron_tsp.measure import perfmodel
+    from megatron_tsp.run import config
 
     hw = perfmodel.load_hardware(ns.hardware)
     result = perfmodel.predict(ns.config, hw, ns.nodes, ns.modes, ns.cp, ns.sweep, config.overrides(ns))
@@ -184,7 +186,8 @@ def _cmd_predict(ns: argparse.Namespace) -> int:
 
 
 def _cmd_plan(ns: argparse.Namespace) -> int:
-    from megatron_tsp import config, perfmodel, plan
+    from megatron_tsp.measure import perfmodel, plan
+    from megatron_tsp.run import config
 
     hw = perfmodel.load_hardware(ns.hardware)
     result = plan.plan(ns.config, hw, ns.nodes, ns.modes, ns.cp, ns.scenario, ns.grid, config.overrides(ns))
@@ -199,7 +202,8 @@ def _cmd_plan(ns: argparse.Namespace) -> int:
 
 
 def _cmd_bench(ns: argparse.Namespace) -> int:
-    from megatron_tsp import bench, config, launch
+    from megatron_tsp.measure import bench
+    from megatron_tsp.run import config, launch
 
     path = ns.config or os.path.join(os.path.dirname(default_config_path()), "bench-cpu.yaml")
     bench.check_setup(config.load_config(path), ns.seq, ns.modes,
@@ -280,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     env.add_argument("--json", action="store_true", help="print JSON")
     env.set_defaults(func=_cmd_env)
 
-    from megatron_tsp import config
+    from megatron_tsp.run import config
 
     args = sub.add_parser("args", parents=[common], help="render a config as Megatron-LM command-line flags")
     args.add_argument("config", help="YAML config (keys are Megatron-LM argument names)")
@@ -380,7 +384,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
-    from megatron_tsp.launch import PoolTimeout, RankError
+    from megatron_tsp.run.launch import PoolTimeout, RankError
 
     where = f"rank {os.environ['RANK']}: " if _under_torchrun() else ""
     try:

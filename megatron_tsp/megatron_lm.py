@@ -20,7 +20,7 @@ from __future__ import annotations
 from functools import partial
 from typing import List, Optional
 
-from megatron_tsp.spec import get_gpt_layer_tsp_spec
+from megatron_tsp.core.spec import get_gpt_layer_tsp_spec
 
 # `--spec megatron_tsp.megatron_lm <name>`: Megatron-LM imports these objects as they are.
 layer_spec = get_gpt_layer_tsp_spec()
@@ -105,7 +105,7 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False):
     from megatron.core.utils import get_attr_wrapped_model
     from megatron.training import get_args
 
-    from megatron_tsp.zigzag import zigzag_batch
+    from megatron_tsp.core.zigzag import zigzag_batch
 
     if return_schedule_plan:
         raise NotImplementedError("--overlap-moe-expert-parallel-comm is not supported with --tsp-size")
@@ -127,7 +127,7 @@ def model_provider(*args, **kwargs):
     from megatron.training import get_args
     from model_provider import model_provider as megatron_model_provider
 
-    from megatron_tsp.parallel_state import adopt_megatron_groups
+    from megatron_tsp.core.parallel_state import adopt_megatron_groups
 
     if get_args().tsp_size > 1:
         adopt_megatron_groups(get_args().tsp_size)

@@ -10,4 +10,4 @@ gpu=$(python -c "import torch; print(torch.cuda.get_device_name(0).replace(' ', 
 out=${1:-bench/results/gpu-check-$gpu.json}
 shift || true
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-timeout 470 python -m megatron_tsp.gpucheck --out "$out" "$@"
+timeout 470 python -m megatron_tsp.measure.gpucheck --out "$out" "$@"

@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from megatron_tsp.launch import WorkerPool
+from megatron_tsp.run.launch import WorkerPool
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 

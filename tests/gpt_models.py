@@ -18,8 +18,9 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import get_batch_on_this_cp_rank
 
 import megatron_tsp
-from megatron_tsp import checkpointing, training, zigzag_batch
-from megatron_tsp.baselines import get_gpt_layer_baseline_spec
+from megatron_tsp import zigzag_batch
+from megatron_tsp.run import checkpointing, step as training
+from megatron_tsp.core.baselines import get_gpt_layer_baseline_spec
 
 VOCAB = 128
 SEQ = 32

@@ -12,7 +12,7 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEm
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_tsp import zigzag
+from megatron_tsp.core import zigzag
 
 
 def solo_pg_collection() -> ProcessGroupCollection:

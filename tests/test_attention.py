@@ -12,8 +12,9 @@ from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
 import megatron_tsp
-from megatron_tsp import comm, volumes
-from megatron_tsp.attention import TSPSelfAttention
+from megatron_tsp.core import comm
+from megatron_tsp.measure import volumes
+from megatron_tsp.core.attention import TSPSelfAttention
 from reference import (SavedBytes, assert_within, configs, init_tsp, local_rows, rel_err,
                        replicated_bias_error, rotary_table, shard_of, solo_pg_collection, summed)
 
@@ -158,7 +159,7 @@ def test_counted_bytes_match_design_formula(ranks, tsp_size):
 
 
 def _bad_configs():
-    from megatron_tsp.checks import check_attention_config
+    from megatron_tsp.core.support import check_attention_config
 
     messages = []
     for change in (dict(), dict(attention_dropout=0.1)):
@@ -195,7 +196,7 @@ def _softmax_attention(q, k, v, scale, visible):
 @pytest.mark.parametrize("chunk_ids", [[0], [0, 3], [1, 2], [2, 5]], ids=str)
 def test_block_attention_matches_softmax_attention(backend, dtype, chunk_ids):
     """Query chunks at their global chunk index against all keys: forward and gradients."""
-    from megatron_tsp.kernels import block_attention
+    from megatron_tsp.core.block_attention import block_attention
 
     chunk, seq = 4, 4 * (max(chunk_ids) + 1)
     g = torch.Generator().manual_seed(0)
@@ -217,7 +218,7 @@ class KernelCalls:
     """Counts the block kernels the attention op runs, by direction."""
 
     def __init__(self):
-        from megatron_tsp import kernels
+        from megatron_tsp.core import block_attention as kernels
 
         self.kernel = kernels._BACKENDS["cpu"]
         self.calls = {"forward": 0, "backward": 0}
@@ -267,7 +268,7 @@ def test_tsp_backward_runs_no_attention_forward(ranks, tsp_size):
 
 
 def test_gpu_backend_self_check_accepts_a_right_kernel_and_stops_a_wrong_one(monkeypatch):
-    from megatron_tsp import kernels
+    from megatron_tsp.core import block_attention as kernels
 
     class Transposed(kernels._CPU):  # a convention mistake: keys read as values
         @staticmethod

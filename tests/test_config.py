@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from megatron_tsp import config
+from megatron_tsp.run import config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "**", "*.yaml"), recursive=True))
@@ -67,7 +67,7 @@ def test_flags_render_in_megatron_lm_form():
 
 @pytest.mark.parametrize("path", RUN_CONFIGS, ids=[os.path.relpath(c, ROOT) for c in RUN_CONFIGS])
 def test_every_config_resolves_to_a_transformer_config(path):
-    from megatron_tsp.train import transformer_config
+    from megatron_tsp.run.build import transformer_config
 
     args = config.resolve(config.load_config(path))
     tc = transformer_config(args)

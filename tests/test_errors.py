@@ -12,7 +12,9 @@ import shutil
 
 import pytest
 
-from megatron_tsp import cli, config, data, preflight
+from megatron_tsp import cli
+
+from megatron_tsp.run import config, data, preflight
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "tiny-cpu.yaml")

@@ -19,9 +19,9 @@ import psutil
 import pytest
 import torch.distributed as dist
 
-from megatron_tsp import checkpointing, config, training
+from megatron_tsp.run import checkpointing, config, step as training
 from megatron_tsp.errors import CheckpointError, TrainingStopped
-from megatron_tsp.launch import RankError, WorkerPool
+from megatron_tsp.run.launch import RankError, WorkerPool
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = dict(mock_data=True, vocab_size=120, num_layers=1, hidden_size=32, num_attention_heads=4,
@@ -31,7 +31,7 @@ TINY = dict(mock_data=True, vocab_size=120, num_layers=1, hidden_size=32, num_at
 
 
 def _at_iteration(n, action):
-    """Wrap megatron_tsp.training.train_step so that ``action()`` runs before step ``n``."""
+    """Wrap megatron_tsp.run.step.train_step so that ``action()`` runs before step ``n``."""
     original = training.train_step
     calls = {"n": 0}
 
@@ -46,7 +46,7 @@ def _at_iteration(n, action):
 
 
 def _train_with_nan_gradient_on_rank_1(save):
-    from megatron_tsp.train import train
+    from megatron_tsp.run.loop import train
 
     def poison(model):
         if dist.get_rank() == 1:
@@ -72,7 +72,7 @@ def test_nan_in_one_gradient_stops_training_before_it_is_saved(ranks, tmp_path):
 
 
 def _train_and_stop_rank_1():
-    from megatron_tsp.train import train
+    from megatron_tsp.run.loop import train
 
     def stop(_):
         if dist.get_rank() == 1:
@@ -96,7 +96,7 @@ def test_a_stopped_rank_fails_the_job_within_the_collective_timeout():
 
 
 def _train_killed_while_saving(save):
-    from megatron_tsp.train import train
+    from megatron_tsp.run.loop import train
 
     def write_checksums(path):  # the shards of iteration 4 are written; its manifest and tracker are not
         if path.endswith("iter_0000004"):
@@ -107,7 +107,7 @@ def _train_killed_while_saving(save):
 
 
 def _train_logged(values, log):
-    from megatron_tsp.train import train
+    from megatron_tsp.run.loop import train
 
     train(config.resolve(values), log)
 
@@ -133,7 +133,7 @@ def test_a_run_killed_while_saving_resumes_from_the_previous_checkpoint(ranks, t
 
 
 def _damaged_checkpoint(path, damage):
-    from megatron_tsp.train import build, initialize, model_args
+    from megatron_tsp.run.build import build, initialize, model_args
 
     args = config.resolve(TINY)
     initialize(args)

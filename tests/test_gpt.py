@@ -61,7 +61,7 @@ def test_tsp_and_tp_sp_loss_curves_match(ranks):
 
 def _build_errors():
     import megatron_tsp
-    from megatron_tsp import training
+    from megatron_tsp.run import step as training
     from gpt_models import VOCAB, SEQ, tiny_config
 
     megatron_tsp.initialize_model_parallel(tsp_size=4)

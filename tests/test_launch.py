@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_tsp.launch import PoolTimeout, RankError, WorkerPool
+from megatron_tsp.run.launch import PoolTimeout, RankError, WorkerPool
 
 
 def _all_reduce_rank():

@@ -5,7 +5,10 @@ import os
 
 import pytest
 
-from megatron_tsp import config, memory
+from megatron_tsp.measure import memory
+
+from megatron_tsp.run import config
+from megatron_tsp.run.modes import get_mode
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "tiny-cpu.yaml")
@@ -50,15 +53,15 @@ def test_categories_add_up_and_long_context_favours_tsp():
 
 def test_modes_relayout_the_same_model():
     values = config.load_config(os.path.join(ROOT, "configs", "7b", "128k-tsp8.yaml"))
-    assert memory.mode_values(values, "tp-cp", cp=2)["tensor_model_parallel_size"] == 4
-    assert memory.mode_values(values, "tp")["tensor_model_parallel_size"] == 8
+    assert get_mode("tp-cp").values(values, cp=2)["tensor_model_parallel_size"] == 4
+    assert get_mode("tp").values(values)["tensor_model_parallel_size"] == 8
     with pytest.raises(config.ConfigError, match="unknown mode"):
-        memory.mode_values(values, "fsdp")
+        get_mode("fsdp").values(values)
 
 
 def test_plots_are_written(tmp_path):
     pytest.importorskip("matplotlib")
-    from megatron_tsp import bench
+    from megatron_tsp.measure import bench
 
     cats = {c: 1.0 for c in memory.CATEGORIES}
     result = {"config": "x.yaml", "seq_length": 8,
@@ -86,7 +89,7 @@ def test_per_layer_activations_match_the_formula(model, mode):
     values = MODELS[model]
     rows = memory.plan(dict(values), mode, per_layer=True)["saved_per_layer"]
     measured = sum(r["bytes"] for r in rows)
-    terms = memory.activation_terms(config.resolve(memory.mode_values(values, mode)), mode)
+    terms = memory.activation_terms(config.resolve(get_mode(mode).values(values)), mode)
     expected = sum(terms["formula"].values()) + sum(terms["implementation"].values())
     assert abs(measured - expected) <= 0.1 * expected, (measured, expected, rows)
 
@@ -94,9 +97,9 @@ def test_per_layer_activations_match_the_formula(model, mode):
 def test_formula_is_korthikantis_for_a_gpt_layer():
     """h-sized MHA and ffn = 4h without dropout: 34 sbh/t bytes less the two 1-byte dropout
     masks, plus the flash kernel's fp32 log-sum-exp."""
-    args = config.resolve(memory.mode_values(MODELS["gelu-mha"], "tp-sp"))
+    args = config.resolve(get_mode("tp-sp").values(MODELS["gelu-mha"]))
     s, b, h, t, a = args.seq_length, args.micro_batch_size, args.hidden_size, 4, args.num_attention_heads
     formula = memory.activation_terms(args, "tp-sp")["formula"]
     assert sum(formula.values()) == 32 * s * b * h / t + 4 * s * b * a / t
-    tsp = memory.activation_terms(config.resolve(memory.mode_values(MODELS["gelu-mha"], "tsp")), "tsp")["formula"]
+    tsp = memory.activation_terms(config.resolve(get_mode("tsp").values(MODELS["gelu-mha"])), "tsp")["formula"]
     assert sum(formula.values()) - sum(tsp.values()) == 2 * s * b * args.ffn_hidden_size / t  # the fc2 input

@@ -9,8 +9,9 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 
 import megatron_tsp
-from megatron_tsp import comm, volumes
-from megatron_tsp.mlp import TSPMLP
+from megatron_tsp.core import comm
+from megatron_tsp.measure import volumes
+from megatron_tsp.core.mlp import TSPMLP
 from reference import (SavedBytes, assert_within, configs, init_tsp, local_rows, rel_err,
                        replicated_bias_error, shard_of, solo_pg_collection)
 
@@ -128,7 +129,7 @@ def test_overlap_determinism_traffic_and_saved_memory(ranks, tsp_size):
 
 
 def test_indivisible_ffn_is_a_clear_error():
-    from megatron_tsp.checks import check_mlp_config
+    from megatron_tsp.core.support import check_mlp_config
 
     _, cfg = configs(4, ffn_hidden_size=66)
     with pytest.raises(ValueError, match="--ffn-hidden-size 66 is not divisible by --tsp-size 4"):

@@ -5,7 +5,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 
 import megatron_tsp
-from megatron_tsp.parallel_state import check_parallel_sizes
+from megatron_tsp.core.parallel_state import check_parallel_sizes
 
 
 def _layout(tsp_size, pp_size):

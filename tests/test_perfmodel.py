@@ -2,7 +2,9 @@
 
 import os
 
-from megatron_tsp import config, memory, perfmodel
+from megatron_tsp.measure import memory, perfmodel
+
+from megatron_tsp.run import config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HW = perfmodel.load_hardware(os.path.join(ROOT, "configs", "hardware", "mi300x.yaml"))

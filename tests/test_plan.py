@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from megatron_tsp import perfmodel, plan
+from megatron_tsp.measure import perfmodel, plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 H100 = perfmodel.load_hardware(os.path.join(ROOT, "configs", "hardware", "h100.yaml"))
@@ -52,7 +52,7 @@ def test_the_fastest_fitting_choice_is_marked():
 
 
 def test_peak_memory_extrapolates_exactly_in_the_layer_count():
-    from megatron_tsp import memory
+    from megatron_tsp.measure import memory
 
     values = dict(TINY, num_layers=4)
     planned = memory.plan(dict(values), "tsp")["peak_gib"]

@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from megatron_tsp import compare
+from megatron_tsp.measure import compare
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = sorted(glob.glob(os.path.join(ROOT, "scripts", "**", "*.sh"), recursive=True)

@@ -1,4 +1,4 @@
-"""Counted bytes of real code paths against DESIGN.md section 5 (megatron_tsp.volumes).
+"""Counted bytes of real code paths against DESIGN.md section 5 (megatron_tsp.measure.volumes).
 
 The planner's collective counts (torch.distributed wrapped, so TSP's and megatron's traffic
 alike) for L layers equal L times the per-layer formula plus the embedding and output
@@ -9,7 +9,9 @@ import os
 
 import pytest
 
-from megatron_tsp import config, memory, volumes
+from megatron_tsp.measure import memory, volumes
+
+from megatron_tsp.run import config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 D, SEQ, LAYERS = 2, 256, 2

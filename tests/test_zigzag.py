@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from megatron_tsp import zigzag
+from megatron_tsp.core import zigzag
 
 
 def test_local_positions_hold_chunks_r_and_2d_minus_1_minus_r():

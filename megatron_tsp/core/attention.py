@@ -17,7 +17,7 @@ all-reduce. Backward (derived; DESIGN.md section 2) re-broadcasts W_r, re-gather
 partial dW_r of every rank to its owner r. Saved for backward: ``x_p``, this rank's own
 shards, and per head group the projection, attention output and log-sum-exp of p's tokens
 only (1/D of what one device saves); nothing is recomputed but what a flash kernel's own
-backward recomputes. The attention itself is :func:`megatron_tsp.kernels.block_attention`,
+backward recomputes. The attention itself is :func:`megatron_tsp.core.block_attention.block_attention`,
 the op every baseline uses too.
 """
 
@@ -33,19 +33,19 @@ from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubm
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_tsp import comm, zigzag
-from megatron_tsp.checks import check_attention_config
-from megatron_tsp.kernels import block_attention_backward, block_attention_forward, select_backend
-from megatron_tsp.kv import GatherKV, ScatterKVGrads
-from megatron_tsp.parallel_state import resolve_tsp_groups
-from megatron_tsp.streaming import ShardStream, linear_pair_shard
+from megatron_tsp.core import comm, zigzag
+from megatron_tsp.core.support import check_attention_config
+from megatron_tsp.core.block_attention import block_attention_backward, block_attention_forward, select_backend
+from megatron_tsp.core.kv import GatherKV, ScatterKVGrads
+from megatron_tsp.core.parallel_state import resolve_tsp_groups
+from megatron_tsp.core.streaming import ShardStream, linear_pair_shard
 
 
 class TSPSelfAttention(SelfAttention):
     """Drop-in for megatron's ``SelfAttention`` under TSP (same parameters and checkpoints).
 
     ``overlap_comm``: broadcast the next head group's weights while this one computes.
-    ``attention_backend``: see :func:`megatron_tsp.kernels.select_backend`.
+    ``attention_backend``: see :func:`megatron_tsp.core.block_attention.select_backend`.
     """
 
     def __init__(

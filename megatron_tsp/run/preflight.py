@@ -14,7 +14,7 @@ import os
 import tempfile
 from typing import Optional
 
-from megatron_tsp import checkpointing, config, data
+from megatron_tsp.run import checkpointing, config, data
 from megatron_tsp.env import transformer_engine_version
 from megatron_tsp.errors import CheckpointError, ConfigError
 

@@ -1,8 +1,8 @@
 """K/V exchange of zigzag-sharded attention: all-gather K/V, reduce-scatter dK/dV.
 
-A rank holds the tokens of zigzag chunks r and 2D-1-r (:mod:`megatron_tsp.zigzag`). Its keys
+A rank holds the tokens of zigzag chunks r and 2D-1-r (:mod:`megatron_tsp.core.zigzag`). Its keys
 and values are gathered over the group in *rank order* and re-indexed to global order, which
-is what :func:`megatron_tsp.kernels.block_attention` expects; the gradient goes the other way
+is what :func:`megatron_tsp.core.block_attention.block_attention` expects; the gradient goes the other way
 (re-index to rank order, reduce-scatter: each rank receives the sum over ranks of the
 gradient of its own tokens). Both run asynchronously, so that a caller can attend with one
 head group while the next one's K/V travel (TSP), and both are counted by :mod:`comm`.
@@ -14,7 +14,7 @@ from typing import Tuple
 
 import torch
 
-from megatron_tsp import comm, zigzag
+from megatron_tsp.core import comm, zigzag
 
 
 class GatherKV:

@@ -156,9 +156,10 @@ def microbatches(dataset, iteration: int, num_microbatches: int, micro_batch_siz
     return out
 
 
-def random_batch(micro_batch_size: int, seq_length: int, vocab_size: int, seed: int,
-                 device=None) -> Dict[str, torch.Tensor]:
-    """A new micro-batch of uniformly random tokens (the benchmark, the GPU check).
+def make_batch(micro_batch_size: int, seq_length: int, vocab_size: int, seed: int = 0,
+               device=None) -> Dict[str, torch.Tensor]:
+    """A new micro-batch of uniformly random tokens (benchmark, GPU check, memory planner,
+    tests).
 
     Every call returns new tensors: megatron's ``get_batch_on_this_cp_rank`` slices the dict it
     is given in place, so a batch must never be fed twice. The same ``seed`` gives the same
@@ -172,7 +173,7 @@ def random_batch(micro_batch_size: int, seq_length: int, vocab_size: int, seed: 
             "attention_mask": None}
 
 
-def random_batches(micro_batch_size: int, seq_length: int, vocab_size: int, device=None):
-    """:func:`random_batch` with seeds 0, 1, 2, ...: step n of every mode gets the same tokens."""
+def make_batches(micro_batch_size: int, seq_length: int, vocab_size: int, device=None):
+    """:func:`make_batch` with seeds 0, 1, 2, ...: step n of every mode gets the same tokens."""
     for seed in itertools.count():
-        yield random_batch(micro_batch_size, seq_length, vocab_size, seed, device)
+        yield make_batch(micro_batch_size, seq_length, vocab_size, seed, device)

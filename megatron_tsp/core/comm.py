@@ -19,7 +19,7 @@ all_reduce (ring)    2(D-1)/D·n                           2(D-1)/D·n
 send / recv          n per recv                           n per send
 ===================  ==================================  =================================
 
-:func:`traffic` is that table; :mod:`megatron_tsp.instrument` counts megatron's collectives
+:func:`traffic` is that table; :mod:`megatron_tsp.measure.counts` counts megatron's collectives
 with it too, so every count in the project follows one convention.
 """
 

@@ -2,9 +2,9 @@
 
 :func:`count_collectives` wraps the ``torch.distributed`` calls used by megatron-core
 (tensor/sequence/context parallel mappings, DDP, the distributed optimizer, pipeline p2p)
-and by ``megatron_tsp.comm``, and records per process group, primitive and phase
+and by ``megatron_tsp.core.comm``, and records per process group, primitive and phase
 (forward/backward/other) the logical bytes this rank sends and receives, with the same
-conventions as :mod:`megatron_tsp.comm`. Groups are named after megatron's parallel state
+conventions as :mod:`megatron_tsp.core.comm`. Groups are named after megatron's parallel state
 (``tp`` is the TSP group under TSP), so the same code accounts TSP, TP, TP+SP and TP x CP.
 """
 
@@ -17,8 +17,8 @@ from typing import Callable, Dict, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_tsp.comm import logical_bytes, traffic
-from megatron_tsp.compat import rebind_in_megatron
+from megatron_tsp.core.comm import logical_bytes, traffic
+from megatron_tsp.run.compat import rebind_in_megatron
 
 Records = Dict[str, Dict[str, Dict[str, Dict[str, int]]]]  # group -> phase -> primitive -> counts
 
@@ -27,7 +27,7 @@ def group_names() -> Dict[int, str]:
     """id(group) -> name for megatron's (and TSP's) process groups."""
     from megatron.core import parallel_state as mpu
 
-    from megatron_tsp import parallel_state as tsp_state
+    from megatron_tsp.core import parallel_state as tsp_state
 
     getters = {
         "tp": lambda: mpu.get_tensor_model_parallel_group(),
@@ -58,7 +58,7 @@ def _phase() -> str:
 class _Recorder:
     """Counts of one :func:`count_collectives` block. Its methods are the hooks, one per
     ``torch.distributed`` call (:data:`HOOKS`), each called with that call's arguments;
-    bytes follow :func:`megatron_tsp.comm.traffic`."""
+    bytes follow :func:`megatron_tsp.core.comm.traffic`."""
 
     def __init__(self, on_output: Optional[Callable[[torch.Tensor], None]]):
         self.records: Records = defaultdict(lambda: defaultdict(lambda: defaultdict(

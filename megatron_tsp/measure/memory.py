@@ -14,8 +14,8 @@ dispatch mode tracks every storage alive during the step and attributes the peak
   streamed weight shards) while they live;
 * ``temporaries``: everything else (outputs in flight, gradients of activations, ...).
 
-The tracker also applies torch's FLOP formulas (those of ``FlopCounterMode``) to every op,
-and the step runs under :func:`instrument.count_collectives`, so one plan also yields FLOPs
+The tracker (:mod:`tracker`) also applies torch's FLOP formulas to every op, and the step
+runs under :func:`counts.count_collectives`, so one plan also yields FLOPs
 and bytes moved per process group. Values do not exist: a
 data-dependent scalar (a loss or norm read with ``.item()``) reads as 1.
 """
@@ -24,168 +24,20 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import weakref
 from typing import Dict, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import flop_registry
 
-from megatron_tsp import config as cfg
-from megatron_tsp import kernels  # noqa: F401  (registers the block_attention ops)
-
-CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "communication", "temporaries")
-MODES = ("tsp", "tp", "tp-sp", "tp-cp")
-GIB = 2**30
-
-
-_ATTENTION_OPS = {torch.ops.megatron_tsp.block_attention, torch.ops.megatron_tsp.block_attention_backward}
-
-
-class StorageTracker(TorchDispatchMode):
-    """Live bytes per category over time; the per-category breakdown at the peak."""
-
-    def __init__(self, fake_scalars: bool = True, detail: int = 0) -> None:
-        super().__init__()
-        self.fake_scalars = fake_scalars
-        self.detail = detail  # keep the largest `detail` live storages at the peak
-        self.peak_op = None
-        self.peak_largest = []
-        self.origin: Dict[int, str] = {}
-        self.flops = 0
-        self.attention_flops = 0
-        self.category: Dict[int, str] = {}  # storage id -> category
-        self.size: Dict[int, int] = {}
-        self._refs: Dict[int, weakref.ref] = {}
-        self.live = dict.fromkeys(CATEGORIES, 0)
-        self.peak = 0
-        self.peak_by_category = dict(self.live)
-        self.default = "temporaries"
-
-    @staticmethod
-    def _key(st) -> int:
-        return st._cdata
-
-    def _add(self, t: torch.Tensor, category: str) -> None:
-        st = t.untyped_storage()
-        key = self._key(st)
-        if key in self.category:
-            return
-        self.category[key] = category
-        self.origin[key] = self._current_op
-        self.size[key] = st.nbytes()
-        self.live[category] += st.nbytes()
-        self._refs[key] = weakref.ref(st, lambda _, key=key: self._free(key))
-        self._update_peak()
-
-    def _free(self, key: int) -> None:
-        category = self.category.pop(key, None)
-        if category is not None:
-            self.live[category] -= self.size.pop(key)
-            self._refs.pop(key, None)
-            self.origin.pop(key, None)
-
-    def _update_peak(self) -> None:
-        total = sum(self.live.values())
-        if total > self.peak:
-            self.peak = total
-            self.peak_by_category = dict(self.live)
-            self.peak_op = self._current_op
-            if self.detail:
-                largest = sorted(self.size, key=self.size.get, reverse=True)[: self.detail]
-                self.peak_largest = [(self.size[k] / GIB, self.category[k], self.origin.get(k)) for k in largest]
-
-    def tag(self, tensors, category: str, only_from=None) -> None:
-        """(Re)attribute the storages of ``tensors`` to ``category`` (starting to track them)."""
-        for t in tensors:
-            if not isinstance(t, torch.Tensor):
-                continue
-            key = self._key(t.untyped_storage())
-            if key not in self.category:
-                self._add(t, category)
-            elif only_from is None or self.category[key] in only_from:
-                old = self.category[key]
-                self.live[old] -= self.size[key]
-                self.live[category] += self.size[key]
-                self.category[key] = category
-
-    def reset_peak(self) -> None:
-        self.peak = 0
-        self._update_peak()
-
-    _current_op = None
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.fake_scalars and func is torch.ops.aten._local_scalar_dense.default:
-            return False if args[0].dtype == torch.bool else 1
-        self._current_op = f"{func.__name__}{' (backward)' if torch._C._current_graph_task_id() != -1 else ''}"
-        out = func(*args, **(kwargs or {}))
-        formula = flop_registry.get(func._overloadpacket)
-        if formula is not None:
-            # torch's FLOP formulas, applied here rather than under FlopCounterMode, whose
-            # module hooks keep activations alive and would distort the memory measured
-            flops = formula(*args, **(kwargs or {}), out_val=out)
-            self.flops += flops
-            if func._overloadpacket in _ATTENTION_OPS:
-                self.attention_flops += flops
-        for t in out if isinstance(out, (list, tuple)) else [out]:
-            if isinstance(t, torch.Tensor):
-                self._add(t, self.default)
-        return out
-
-
-class SavedTensors:
-    """Every storage autograd keeps from the forward pass, with the module that saved it and
-    the op that made it: the activation accounting of ``megatron-tsp memory --per-layer``.
-
-    A module stack (global forward hooks) names the innermost module running when a tensor is
-    saved; storages saved twice (an input two ops keep) count once, and a view keeps its whole
-    storage alive, so a storage is counted whole. Weights saved for backward are parameters,
-    not activations. Recomputation in the backward pass is not recorded: only what the
-    forward pass leaves behind.
-    """
-
-    def __init__(self, tracker: StorageTracker) -> None:
-        self.tracker = tracker
-        self.names: Dict[torch.nn.Module, str] = {}
-        self.rows: Dict[int, Dict] = {}
-        self._stack: List[str] = []
-
-    def watch(self, model: torch.nn.Module) -> None:
-        self.names = {module: name for name, module in model.named_modules()}
-
-    def __enter__(self) -> "SavedTensors":
-        from torch.nn.modules import module as nn_module
-
-        def push(module, args):
-            self._stack.append(self.names.get(module, type(module).__name__))
-
-        def pop(module, args, output):
-            self._stack.pop()
-
-        self._handles = [nn_module.register_module_forward_pre_hook(push),
-                         nn_module.register_module_forward_hook(pop)]
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for handle in self._handles:
-            handle.remove()
-
-    def saved(self, t: torch.Tensor) -> None:
-        if torch._C._current_graph_task_id() != -1:  # a recomputation in backward
-            return
-        key = StorageTracker._key(t.untyped_storage())
-        if key not in self.rows and self.tracker.category.get(key) == "activations":  # not weights
-            self.rows[key] = {"module": self._stack[-1] if self._stack else "", "op": self.tracker.origin.get(key),
-                              "shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", ""),
-                              "bytes": t.untyped_storage().nbytes()}
-
-    def layer(self, prefix: str = "decoder.layers.0.") -> List[Dict]:
-        """The rows saved inside one layer (module names relative to it), largest first."""
-        rows = [dict(r, module=r["module"][len(prefix):]) for r in self.rows.values()
-                if r["module"].startswith(prefix)]
-        return sorted(rows, key=lambda r: -r["bytes"])
+from megatron_tsp.core.parallel_state import destroy_model_parallel
+from megatron_tsp.env import run_record
+from megatron_tsp.measure import counts
+from megatron_tsp.measure.tracker import CATEGORIES, GIB, SavedTensors, StorageTracker
+from megatron_tsp.run import config as cfg
+from megatron_tsp.run import step
+from megatron_tsp.run.modes import Mode, get_mode
+from megatron_tsp.run.build import build, initialize
+from megatron_tsp.run.data import make_batch
 
 
 def activation_terms(args, mode: str) -> Dict[str, Dict[str, float]]:
@@ -237,29 +89,6 @@ def activation_terms(args, mode: str) -> Dict[str, Dict[str, float]]:
     return {"formula": formula, "implementation": implementation}
 
 
-def mode_values(values: Dict, mode: str, cp: int = 2) -> Dict:
-    """The config with its model-parallel size D re-laid out as ``mode`` (same model, batch,
-    sequence and recompute): tsp = TSP D; tp = TP D; tp-sp = TP D + SP; tp-cp = TP D/cp x CP cp."""
-    v = dict(values)
-    d = max(v.get("tsp_size", 1), 1) * max(v.get("tensor_model_parallel_size", 1), 1) * \
-        max(v.get("context_parallel_size", 1), 1)
-    for key in ("tsp_size", "tensor_model_parallel_size", "context_parallel_size", "sequence_parallel"):
-        v.pop(key, None)
-    if mode == "tsp":
-        v.update(tsp_size=d)
-    elif mode == "tp":
-        v.update(tensor_model_parallel_size=d)
-    elif mode == "tp-sp":
-        v.update(tensor_model_parallel_size=d, sequence_parallel=True)
-    elif mode == "tp-cp":
-        if d % cp:
-            raise cfg.ConfigError(f"mode tp-cp: model-parallel size {d} is not divisible by --cp {cp}")
-        v.update(tensor_model_parallel_size=d // cp, context_parallel_size=cp, sequence_parallel=d // cp > 1)
-    else:
-        raise cfg.ConfigError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
-    return v
-
-
 @contextlib.contextmanager
 def _valueless() -> Iterator[None]:
     """Fake tensors have no values: make megatron's value bookkeeping a no-op. RNG states
@@ -281,7 +110,7 @@ def _valueless() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _fake_world(world_size: int) -> Iterator[None]:
+def fake_world(world_size: int) -> Iterator[None]:
     """Rank 0 of ``world_size`` on torch's ``fake`` backend (collectives are no-ops). Every
     other rank mirrors rank 0, so object collectives return rank 0's object for all.
     FakeTensorMode has no kernel for coalesced collectives, so megatron's gradient buffers
@@ -347,39 +176,31 @@ def plan(values: Dict, mode: str, world_size: Optional[int] = None, cp: int = 2,
     """Peak memory by category, FLOPs and communication of one training step of rank 0 of a
     ``world_size`` job (default: one replica), at full size, under FakeTensorMode; with
     ``per_layer``, also every tensor the first layer keeps for backward (``saved_per_layer``)."""
-    args, model_parallel = _args(values, mode, cp)
-    world_size = world_size or model_parallel
-    with _fake_world(world_size):
-        return _run(args, world_size, StorageTracker(fake_scalars=True), attention_backend, fake=True,
+    mode = get_mode(mode)
+    args = mode.args(values, cp)
+    world_size = world_size or cfg.model_parallel_size(args)
+    with fake_world(world_size):
+        return _run(args, mode, world_size, StorageTracker(fake_scalars=True), attention_backend, fake=True,
                     per_layer=per_layer)
 
 
 def measure(values: Dict, mode: str, cp: int = 2, attention_backend: str = "auto") -> Dict:
     """The same step for real, on this rank of the current process group (the planner's
     check: with real tensors the tracker must see what it sees under FakeTensorMode)."""
-    args, _ = _args(values, mode, cp)
-    return _run(args, dist.get_world_size(), StorageTracker(fake_scalars=False), attention_backend, fake=False)
+    mode = get_mode(mode)
+    return _run(mode.args(values, cp), mode, dist.get_world_size(), StorageTracker(fake_scalars=False),
+                attention_backend, fake=False)
 
 
-def _args(values: Dict, mode: str, cp: int):
-    args = cfg.resolve(mode_values(values, mode, cp))
-    return args, cfg.model_parallel_size(args)
-
-
-def _run(args, world_size: int, tracker: StorageTracker, attention_backend: str, fake: bool,
+def _run(args, mode: Mode, world_size: int, tracker: StorageTracker, attention_backend: str, fake: bool,
          per_layer: bool = False) -> Dict:
-    import megatron_tsp
-
-    from megatron_tsp import instrument
-    from megatron_tsp.train import initialize
-
     # Fake tensors have no values to seed; megatron's RNG bookkeeping is off (_valueless).
     initialize(args, seed=not fake, create_gloo_process_groups=False)
     saved = SavedTensors(tracker) if per_layer else None
     try:
-        static, flops, records = _step(args, tracker, attention_backend, fake, saved)
+        static, flops, records = _step(args, mode, tracker, attention_backend, fake, saved)
     finally:
-        megatron_tsp.destroy_model_parallel()
+        destroy_model_parallel()
     extra = {"saved_per_layer": saved.layer()} if saved else {}
     return {**extra,
         "parallel": {"tsp": args.tsp_size, "tp": args.tensor_model_parallel_size,
@@ -392,19 +213,18 @@ def _run(args, world_size: int, tracker: StorageTracker, attention_backend: str,
         "static_gib": static / GIB,
         "flops_per_rank": flops["total"],
         "attention_flops_per_rank": flops["attention"],
-        "comm_bytes_received": instrument.totals(records),
-        "comm": instrument.as_dict(records),
+        "comm_bytes_received": counts.totals(records),
+        "comm": counts.as_dict(records),
     }
 
 
-def _step(args, tracker, attention_backend, fake: bool = True, saved_log: Optional[SavedTensors] = None):
+def _step(args, mode: Mode, tracker, attention_backend, fake: bool = True,
+          saved_log: Optional[SavedTensors] = None):
     """Build model and optimizer and run one step under ``tracker``; with ``fake``, under
     FakeTensorMode (else for real, to check the planner against); ``saved_log`` records what
     autograd keeps."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from megatron_tsp import instrument, training
-    from megatron_tsp.train import batch_transform, build
 
     valueless = (_valueless(), FakeTensorMode(allow_non_fake_inputs=True)) if fake else ()
     with contextlib.ExitStack() as stack:
@@ -412,7 +232,7 @@ def _step(args, tracker, attention_backend, fake: bool = True, saved_log: Option
             stack.enter_context(ctx)
         # No gradient clipping: megatron's torch fallback for the norm reads values (scalars,
         # no memory to speak of). No gloo groups: the fake backend has no peers.
-        _, model, optimizer = build(args, attention_backend, clip_grad=0.0, use_gloo_process_groups=False,
+        _, model, optimizer = build(args, mode, attention_backend, clip_grad=0.0, use_gloo_process_groups=False,
                                     transformer_engine=False)
         _create_adam_moments(optimizer)  # steady state: Adam moments exist
         chunk = model[0]
@@ -426,10 +246,7 @@ def _step(args, tracker, attention_backend, fake: bool = True, saved_log: Option
         static = sum(tracker.live.values())
         tracker.reset_peak()
 
-        # token values do not exist under FakeTensorMode; only shapes matter
-        tokens = torch.zeros(args.micro_batch_size, args.seq_length, dtype=torch.long)
-        batch = {"tokens": tokens, "labels": tokens, "loss_mask": torch.ones(tokens.shape),
-                 "position_ids": torch.zeros_like(tokens), "attention_mask": None}
+        batch = make_batch(args.micro_batch_size, args.seq_length, args.vocab_size)  # values unused when fake
         def pack(t):
             tracker.tag([t], "activations", only_from=("temporaries", "communication"))
             if saved_log is not None:
@@ -442,9 +259,9 @@ def _step(args, tracker, attention_backend, fake: bool = True, saved_log: Option
             stack.enter_context(saved_log)
         receive = lambda t: tracker.tag([t], "communication", only_from=("temporaries",))
         flops_before, attention_before = tracker.flops, tracker.attention_flops
-        with saved, instrument.count_collectives(on_output=receive) as records:
-            training.train_step(model, optimizer, [batch], 1, args.seq_length, args.micro_batch_size,
-                                batch_transform=batch_transform(args))
+        with saved, counts.count_collectives(on_output=receive) as records:
+            step.train_step(model, optimizer, [batch], 1, args.seq_length, args.micro_batch_size,
+                            batch_transform=mode.batch_transform(args))
     flops = {"total": tracker.flops - flops_before, "attention": tracker.attention_flops - attention_before}
     return static, flops, records
 
@@ -453,18 +270,16 @@ def plan_modes(config_path: str, modes: List[str], world_size: Optional[int] = N
                overrides: Optional[Dict] = None, per_layer: bool = False) -> Dict:
     values = cfg.load_config(config_path)
     values.update(overrides or {})
-    for mode in modes:  # every mode's arguments are checked before the first (slow) plan
-        args, model_parallel = _args(values, mode, cp)
-        cfg.check_world_size(args, world_size or model_parallel, "--world-size")
-    results = {mode: plan(copy.deepcopy(values), mode, world_size, cp, per_layer=per_layer) for mode in modes}
+    for name in modes:  # every mode's arguments are checked before the first (slow) plan
+        args = get_mode(name).args(values, cp)
+        cfg.check_world_size(args, world_size or cfg.model_parallel_size(args), "--world-size")
+    results = {name: plan(copy.deepcopy(values), name, world_size, cp, per_layer=per_layer) for name in modes}
     if per_layer:
-        for mode, r in results.items():
-            args, _ = _args(values, mode, cp)
-            if args.recompute_granularity is None and mode in ("tsp", "tp-sp"):
-                r["activation_terms"] = activation_terms(args, mode)
-    seq = cfg.resolve(mode_values(values, modes[0], cp)).seq_length
-    from megatron_tsp.env import run_record
-
+        for name, r in results.items():
+            args = get_mode(name).args(values, cp)
+            if args.recompute_granularity is None and name in ("tsp", "tp-sp"):
+                r["activation_terms"] = activation_terms(args, name)
+    seq = get_mode(modes[0]).args(values, cp).seq_length
     return {"setup": run_record(config=config_path, world_size=world_size), "config": config_path,
             "seq_length": seq, "modes": results}
 

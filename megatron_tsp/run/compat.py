@@ -51,7 +51,7 @@ class _Rewrite:
         for old, new in self.replacements:
             if old not in src:
                 raise RuntimeError(
-                    f"megatron_tsp.compat: '{old}' not found in {self.module}.{self.qualname} "
+                    f"megatron_tsp.run.compat: '{old}' not found in {self.module}.{self.qualname} "
                     f"({self.upstream}); this megatron-core version is not supported on CPU"
                 )
             src = src.replace(old, new)
@@ -88,7 +88,7 @@ def _compile_like(func: Callable, src: str, cls) -> Callable:
     factory = "def __tsp_factory__(__class__):\n" + textwrap.indent(body, "    ")
     factory += f"\n    return {fdef.name}\n"
     namespace: dict = {}
-    code = compile(factory, f"<megatron_tsp.compat: {func.__module__}.{func.__qualname__}>", "exec")
+    code = compile(factory, f"<megatron_tsp.run.compat: {func.__module__}.{func.__qualname__}>", "exec")
     exec(code, func.__globals__, namespace)
     new_func = namespace["__tsp_factory__"](cls)
     new_func.__qualname__ = func.__qualname__

@@ -20,9 +20,9 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
-from megatron_tsp.attention import TSPSelfAttention
-from megatron_tsp.mlp import TSPMLP
-from megatron_tsp.norm import TSPNorm
+from megatron_tsp.core.attention import TSPSelfAttention
+from megatron_tsp.core.mlp import TSPMLP
+from megatron_tsp.core.norm import TSPNorm
 
 
 def get_gpt_layer_tsp_spec(

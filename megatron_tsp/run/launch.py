@@ -103,7 +103,7 @@ def _reset() -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
 
-    from megatron_tsp import parallel_state as tsp_state
+    from megatron_tsp.core import parallel_state as tsp_state
 
     if tsp_state.is_initialized():
         tsp_state.destroy_model_parallel()
@@ -123,7 +123,7 @@ def _worker(rank: int, world_size: int, port: int, conn: Connection, path: List[
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    from megatron_tsp.compat import enable_cpu_support
+    from megatron_tsp.run.compat import enable_cpu_support
 
     enable_cpu_support()
     _env(rank, world_size, port)

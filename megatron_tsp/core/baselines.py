@@ -22,14 +22,14 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_tsp import zigzag
-from megatron_tsp.kernels import block_attention, select_backend
-from megatron_tsp.kv import AllGatherKV
+from megatron_tsp.core import zigzag
+from megatron_tsp.core.block_attention import block_attention, select_backend
+from megatron_tsp.core.kv import AllGatherKV
 
 
 class FlashDotProductAttention(MegatronModule):
     """Causal core attention for stock megatron attention, by the op TSP uses
-    (:func:`megatron_tsp.kernels.block_attention`).
+    (:func:`megatron_tsp.core.block_attention.block_attention`).
 
     Takes ``[sq, b, heads, d]`` query/key/value as ``DotProductAttention`` does and returns
     ``[sq, b, heads * d]``. Under context parallelism the local sequence is this CP rank's

@@ -14,7 +14,7 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron_tsp import comm
+from megatron_tsp.core import comm
 
 Shard = List[torch.Tensor]
 

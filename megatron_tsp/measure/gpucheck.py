@@ -6,7 +6,7 @@ Runs one rank of the 7B / 128K configuration per mode on this machine's GPU with
 for the same rank, and the per-rank compute time of TSP against TP+SP (no communication
 is timed: that is the performance model's part). Writes one JSON file.
 
-    python -m megatron_tsp.gpucheck --out bench/results/gpu-check.json     (scripts/gpu_check.sh)
+    python -m megatron_tsp.measure.gpucheck --out bench/results/gpu-check.json     (scripts/gpu_check.sh)
 """
 
 from __future__ import annotations
@@ -19,31 +19,23 @@ from typing import Dict
 
 import torch
 
-from megatron_tsp import config as cfg
+from megatron_tsp.core.parallel_state import destroy_model_parallel
+from megatron_tsp.env import run_record
+from megatron_tsp.measure import memory
+from megatron_tsp.run import config as cfg
+from megatron_tsp.run.modes import get_mode
+from megatron_tsp.run.build import initialize, stepper
 
 
 def check_mode(values: Dict, mode: str, steps: int) -> Dict:
-    import megatron_tsp
-
-    from megatron_tsp import memory, training
-    from megatron_tsp.data import random_batches
-    from megatron_tsp.train import batch_transform, build, initialize
-
     planned = memory.plan(dict(values), mode)
-    args, model_parallel = memory._args(values, mode, 2)
+    args = get_mode(mode).args(values)
     on_gpu = torch.cuda.is_available()
-    with memory._fake_world(model_parallel):
+    with memory.fake_world(cfg.model_parallel_size(args)):
         initialize(args, create_gloo_process_groups=False)
         try:
-            _, model, optimizer = build(args, clip_grad=0.0, use_gloo_process_groups=False,
-                                        transformer_engine=False)
-            batches = random_batches(args.micro_batch_size, args.seq_length, args.vocab_size,
-                                     torch.cuda.current_device() if on_gpu else None)
-
-            def step():  # a new batch every step (the CP transform slices it in place)
-                training.train_step(model, optimizer, [next(batches)], 1, args.seq_length, args.micro_batch_size,
-                                    batch_transform(args))
-
+            step = stepper(args, get_mode(mode), clip_grad=0.0, use_gloo_process_groups=False,
+                           transformer_engine=False)
             step()  # warm-up; also creates Adam's moments
             if on_gpu:
                 torch.cuda.synchronize()
@@ -57,7 +49,7 @@ def check_mode(values: Dict, mode: str, steps: int) -> Dict:
                 times.append(time.perf_counter() - t0)
             peak = torch.cuda.max_memory_allocated() / 2**30 if on_gpu else None
         finally:
-            megatron_tsp.destroy_model_parallel()
+            destroy_model_parallel()
     return {"parallel": planned["parallel"], "measured_peak_gib": peak, "planned_peak_gib": planned["peak_gib"],
             "planned_by_category_gib": planned["by_category_gib"], "step_s": times,
             "compute_s_median": sorted(times)[len(times) // 2], "flops_per_rank": planned["flops_per_rank"]}
@@ -72,8 +64,6 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="bench/results/gpu-check.json")
     cfg.add_arguments(parser, keys=["num_layers", "seq_length", "max_position_embeddings"])
     ns = parser.parse_args(argv)
-    from megatron_tsp.env import run_record
-
     values = cfg.load_config(ns.config)
     values.update(cfg.overrides(ns))
     result = {"setup": run_record(), "config": ns.config, "overrides": cfg.overrides(ns), "modes": {}}

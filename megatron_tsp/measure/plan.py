@@ -7,7 +7,7 @@ choice megatron-core offers that applies, each with rank 0's peak memory, whethe
 and cluster tokens/s from the performance model; the fastest that fits is marked; (c) the
 same on a grid of sequence lengths, for the picture.
 
-Every point is one :func:`megatron_tsp.perfmodel.evaluate`: the memory planner at 1 and 2
+Every point is one :func:`megatron_tsp.measure.perfmodel.evaluate`: the memory planner at 1 and 2
 layers (FakeTensorMode, rank 0 of the job), extrapolated linearly in the layer count, so
 memory and speed come from one planning. A setting fits when its peak is at most the GPU's
 memory less a reserve for what the planner does not see (CUDA context, the collective
@@ -21,9 +21,10 @@ from __future__ import annotations
 import copy
 from typing import Dict, List, Optional
 
-from megatron_tsp import config as cfg
-from megatron_tsp import memory, perfmodel
 from megatron_tsp.env import run_record
+from megatron_tsp.measure import perfmodel
+from megatron_tsp.run import config as cfg
+from megatron_tsp.run.modes import get_mode
 
 RESERVE_FRACTION = 0.05
 RESERVE_GIB = 2.0
@@ -60,7 +61,7 @@ class Planner:
     def point(self, mode: str, choice: str, seq: int) -> Dict:
         key = (mode, choice, seq)
         if key not in self._points:
-            v = dict(perfmodel.at_seq_length(self.values, seq), **CHOICES[choice])
+            v = dict(cfg.at_seq_length(self.values, seq), **CHOICES[choice])
             r = perfmodel.evaluate(copy.deepcopy(v), mode, self.hw, self.world, self.cp, brief=True)
             self._points[key] = {"peak_gib": r["peak_gib"], "fits": r["peak_gib"] <= self.limit,
                                  "tokens_per_s": r[self.scenario]["tokens_per_s_cluster"],
@@ -108,7 +109,7 @@ def plan(config_path: str, hw: perfmodel.Hardware, nodes: int = 1, modes: List[s
         raise cfg.ConfigError(f"--scenario {scenario!r}: use one of {', '.join(perfmodel.SCENARIOS)}")
     world = nodes * hw.gpus_per_node
     for mode in modes:  # every mode's arguments are checked before the first (slow) plan
-        cfg.check_world_size(cfg.resolve(memory.mode_values(values, mode, cp)), world, "--nodes x gpus_per_node")
+        cfg.check_world_size(get_mode(mode).args(values, cp), world, "--nodes x gpus_per_node")
     planner = Planner(values, hw, nodes, cp, scenario)
     seq = cfg.resolve(values).seq_length
     result = {"setup": run_record(config=config_path), "config": config_path, "hardware": hw.__dict__,

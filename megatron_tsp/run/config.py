@@ -286,7 +286,7 @@ def check_world_size(ns: argparse.Namespace, world_size: int, source: str) -> No
 
 def check_combinations(ns: argparse.Namespace) -> None:
     """Impossible or unsupported combinations, each naming its key."""
-    from megatron_tsp.parallel_state import check_parallel_sizes
+    from megatron_tsp.core.parallel_state import check_parallel_sizes
 
     d = ns.tsp_size
     try:
@@ -365,3 +365,8 @@ def add_arguments(parser: argparse.ArgumentParser, keys: Optional[Iterable[str]]
 def overrides(ns: argparse.Namespace) -> Dict[str, Any]:
     """The config keys given on the command line."""
     return {k: getattr(ns, k) for k in ARGUMENTS if getattr(ns, k, None) is not None}
+
+
+def at_seq_length(values: Dict, seq: int) -> Dict:
+    """The config at sequence length ``seq`` (the position table grown to cover it)."""
+    return dict(values, seq_length=seq, max_position_embeddings=max(seq, values.get("max_position_embeddings") or 0))

@@ -2,7 +2,7 @@
 
 Every mode trains the same model (same config, data and seed) on the same ranks (gloo on a
 CPU, NCCL/RCCL under torchrun on GPUs) with the same attention op
-(:func:`megatron_tsp.kernels.block_attention`; never TransformerEngine's, which only the
+(:func:`megatron_tsp.core.block_attention.block_attention`; never TransformerEngine's, which only the
 baselines could use), and every step gets a fresh batch: step n of every mode trains on the
 same tokens. Modes are interleaved: repeat r runs a block of timed steps of every mode
 before repeat r+1 starts, so slow drifts of a noisy machine hit all modes alike.
@@ -27,9 +27,13 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_tsp import config as cfg
 from megatron_tsp.env import run_record
 from megatron_tsp.errors import UserError
+from megatron_tsp.measure import counts, memory
+from megatron_tsp.run import config as cfg
+from megatron_tsp.run.modes import get_mode
+from megatron_tsp.run.build import initialize, stepper
+from megatron_tsp.run.config import at_seq_length
 
 BENCH_MODES = ("tsp", "tsp-no-overlap", "tp-sp", "tp-cp")
 LOSS_RTOL = 1e-4  # step-1 losses of a fresh fp32 model differ by reduction order only (~1e-7)
@@ -39,34 +43,20 @@ class ModesDisagree(UserError):
     """The modes did not compute the same first-step loss: the comparison would be invalid."""
 
 
-def _values_for(values: Dict, mode: str, seq: int) -> Dict:
-    from megatron_tsp.memory import mode_values
-
-    v = dict(values, seq_length=seq, max_position_embeddings=seq)
-    return mode_values(v, "tsp" if mode.startswith("tsp") else mode)
+def _args(values: Dict, mode: str, seq: int):
+    return get_mode(mode, BENCH_MODES).args(at_seq_length(values, seq))
 
 
 def _block(values: Dict, mode: str, seq: int, steps: int, warmup: int) -> Dict:
     """On every rank: build the model for ``mode``; its first step's loss, then ``warmup``
     more untimed steps, one counted step and ``steps`` timed steps, each on a new batch."""
-    from megatron_tsp import instrument, training
-    from megatron_tsp.data import random_batches
-    from megatron_tsp.train import batch_transform, build, initialize
-
-    args = cfg.resolve(_values_for(values, mode, seq))
+    args = _args(values, mode, seq)
     initialize(args)
-    _, model, optimizer = build(args, overlap_comm=mode != "tsp-no-overlap", transformer_engine=False)
-    transform = batch_transform(args)
-    batches = random_batches(args.micro_batch_size, seq, args.vocab_size,
-                             torch.cuda.current_device() if torch.cuda.is_available() else None)
-
-    def step():
-        return training.train_step(model, optimizer, [next(batches)], 1, seq, args.micro_batch_size, transform)
-
+    step = stepper(args, get_mode(mode), transformer_engine=False)
     first_loss = step()["loss"]
     for _ in range(warmup):
         step()
-    with instrument.count_collectives() as records:
+    with counts.count_collectives() as records:
         step()
     times = []
     for _ in range(steps):
@@ -77,14 +67,12 @@ def _block(values: Dict, mode: str, seq: int, steps: int, warmup: int) -> Dict:
             torch.cuda.synchronize()
         dist.barrier()
         times.append(time.perf_counter() - t0)
-    received = sum(v for phases in instrument.totals(records).values() for v in phases.values())
+    received = sum(v for phases in counts.totals(records).values() for v in phases.values())
     return {"step_s": times, "bytes_received": received, "first_step_loss": first_loss}
 
 
 def _memory(values: Dict, mode: str, seq: int) -> float:
-    from megatron_tsp import memory
-
-    return memory.measure(_values_for(values, mode, seq), "tsp" if mode.startswith("tsp") else mode)["peak_gib"]
+    return memory.measure(at_seq_length(values, seq), mode)["peak_gib"]
 
 
 def check_same_loss(first_losses: Dict[str, List[float]], seq: int) -> None:
@@ -104,8 +92,8 @@ def check_setup(values: Dict, seqs: List[int], modes: List[str], nproc: int) -> 
     if unknown:
         raise cfg.ConfigError(f"--modes: unknown mode(s) {', '.join(unknown)}; use {', '.join(BENCH_MODES)}")
     for seq in seqs:
-        for mode in modes:
-            cfg.check_world_size(cfg.resolve(_values_for(values, mode, seq)), nproc, "--nproc")
+        for name in modes:
+            cfg.check_world_size(_args(values, name, seq), nproc, "--nproc")
 
 
 def run(config_path: str, seqs: List[int], modes: List[str], repeats: int, steps: int, warmup: int,

@@ -14,7 +14,7 @@ Time of one micro-batch step on one rank:
 where ``hidden`` is the traffic a mode overlaps with compute in the scenario and ``exposed``
 the rest. Traffic that can only hide behind attention (TSP's K/V exchange runs while the
 previous head group attends; the CP K/V exchange of TP x CP) is hidden up to the attention
-time and exposed beyond it. Scenarios (:data:`OVERLAPPED`):
+time and exposed beyond it (:class:`modes.Mode`). Scenarios (:data:`SCENARIOS`):
 
 * ``overlap``: every mode hides what it can: TSP its weight streams and K/V exchange (built
   into its layers), TP and TP+SP their tensor-parallel all-gathers/reduce-scatters
@@ -35,22 +35,22 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 
-from megatron_tsp import config as cfg
-from megatron_tsp import flops as flops_formula
-from megatron_tsp import memory
 from megatron_tsp.env import run_record
+from megatron_tsp.measure import memory
+from megatron_tsp.run import config as cfg
+from megatron_tsp.run import flops as flops_formula
+from megatron_tsp.run.modes import get_mode
+from megatron_tsp.run.data import padded_vocab
 
 INTRA_NODE_GROUPS = ("tp", "cp", "tsp_weight")
-_DP = ("dp", "dp_cp")
-OVERLAPPED = {
-    "overlap": {"tsp": ("tsp_weight", "tp") + _DP, "tp": ("tp",) + _DP, "tp-sp": ("tp",) + _DP,
-                "tp-cp": ("tp", "cp") + _DP},
-    "no_tp_overlap": {"tsp": ("tsp_weight", "tp") + _DP, "tp": _DP, "tp-sp": _DP, "tp-cp": ("cp",) + _DP},
-    "no_overlap": {"tsp": (), "tp": (), "tp-sp": (), "tp-cp": ()},
-}
-SCENARIOS = tuple(OVERLAPPED)
-# groups whose traffic hides behind attention only: TSP's K/V exchange (on the TP slot), CP's
-BEHIND_ATTENTION = {"tsp": ("tp",), "tp-cp": ("cp",)}
+SCENARIOS = ("overlap", "no_tp_overlap", "no_overlap")
+
+
+def overlapped(mode: str, scenario: str):
+    """The groups whose traffic ``mode`` hides behind compute in ``scenario``."""
+    if scenario == "no_overlap":
+        return ()
+    return get_mode(mode).overlapped(tp_comm_overlap=scenario == "overlap")
 
 
 @dataclass(frozen=True)
@@ -146,10 +146,10 @@ def step_time(total: Dict, hw: Hardware, mode: str, scenario: str, world_size: i
                 seconds += entry["bytes_received"] / bw + entry["calls"] * latency
         if seconds > 0:
             comm[group] = seconds
-    overlapped = OVERLAPPED[scenario][mode]
-    behind_attention = sum(t for g, t in comm.items() if g in overlapped and g in BEHIND_ATTENTION.get(mode, ()))
-    hidden = sum(t for g, t in comm.items() if g in overlapped) - behind_attention + min(behind_attention, attention_s)
-    exposed = sum(t for g, t in comm.items() if g not in overlapped) + max(0.0, behind_attention - attention_s)
+    hides = overlapped(mode, scenario)
+    behind_attention = sum(t for g, t in comm.items() if g in hides and g in get_mode(mode).behind_attention)
+    hidden = sum(t for g, t in comm.items() if g in hides) - behind_attention + min(behind_attention, attention_s)
+    exposed = sum(t for g, t in comm.items() if g not in hides) + max(0.0, behind_attention - attention_s)
     step = max(compute, hidden) + exposed
     return {"compute_s": compute, "comm_s": comm, "exposed_comm_s": step - compute, "step_s": step}
 
@@ -165,13 +165,13 @@ def predict(config_path: str, hw: Hardware, nodes: int = 1, modes: List[str] = (
                      "hardware": hw.__dict__, "nodes": nodes, "modes": {}}
     base_seq = cfg.resolve(values).seq_length
     for mode in modes:  # every mode's arguments are checked before the first (slow) count
-        cfg.check_world_size(cfg.resolve(memory.mode_values(values, mode, cp)), world, "--nodes x gpus_per_node")
+        cfg.check_world_size(get_mode(mode).args(values, cp), world, "--nodes x gpus_per_node")
     for mode in modes:
         results["modes"][mode] = evaluate(values, mode, hw, world, cp)
     if seq_lengths:
         sweep = {}
         for seq in seq_lengths:
-            v = at_seq_length(values, seq)
+            v = cfg.at_seq_length(values, seq)
             sweep[seq] = {mode: evaluate(v, mode, hw, world, cp, brief=True) for mode in ("tsp", "tp-sp")}
         results["sweep"] = sweep
         results["crossover_seq_length"] = {
@@ -182,24 +182,16 @@ def predict(config_path: str, hw: Hardware, nodes: int = 1, modes: List[str] = (
     return results
 
 
-def at_seq_length(values: Dict, seq: int) -> Dict:
-    """The config at sequence length ``seq`` (the position table grown to cover it)."""
-    return dict(values, seq_length=seq, max_position_embeddings=max(seq, values.get("max_position_embeddings") or 0))
-
-
 def evaluate(values: Dict, mode: str, hw: Hardware, world: int, cp: int, brief: bool = False) -> Dict:
     """Per scenario, step time and cluster tokens/s of ``mode`` on ``world`` GPUs, and rank 0's
     peak memory (``peak_gib``), from one planning at 1 and 2 layers."""
-    args = cfg.resolve(memory.mode_values(values, mode, cp))
+    args = get_mode(mode).args(values, cp)
     counts = layer_counts(values, mode, world, cp)
     total = totals_for(counts, args.num_layers)
     d = counts["parallel"]
     replicas = world // (d["tsp"] * d["tp"] * d["cp"] * d["pp"])
     tokens = args.micro_batch_size * args.seq_length
-    from megatron_tsp.data import padded_vocab
-
-    vocab = padded_vocab(args)
-    model_flops = flops_formula.flops_per_sequence_from_args(args, vocab) * args.micro_batch_size
+    model_flops = flops_formula.flops_per_sequence_from_args(args, padded_vocab(args)) * args.micro_batch_size
     out = {"parallel": d, "peak_gib": total["peak_gib"]}
     for key in SCENARIOS:
         t = step_time(total, hw, mode, key, world)

@@ -25,10 +25,10 @@ import torch.nn.functional as F
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_tsp import comm
-from megatron_tsp.checks import check_mlp_config
-from megatron_tsp.parallel_state import resolve_tsp_groups
-from megatron_tsp.streaming import ShardRing, linear_pair_shard
+from megatron_tsp.core import comm
+from megatron_tsp.core.support import check_mlp_config
+from megatron_tsp.core.parallel_state import resolve_tsp_groups
+from megatron_tsp.core.streaming import ShardRing, linear_pair_shard
 
 
 class TSPMLP(MLP):

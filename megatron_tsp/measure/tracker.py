@@ -1,0 +1,171 @@
+"""What lives in memory during a step, by category: a dispatch mode that follows every
+storage (:class:`StorageTracker`) and a log of what autograd keeps (:class:`SavedTensors`).
+
+Categories: ``parameters``, ``gradients`` (megatron's grad buffers), ``optimizer`` (states
+and fp32 main weights), ``activations`` (tensors autograd saves for backward, forward and
+recomputation), ``communication`` (receive buffers of collectives while they live) and
+``temporaries`` (everything else). The tracker also applies torch's FLOP formulas (those of
+``FlopCounterMode``) to every op.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Dict, List
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
+
+from megatron_tsp.core import block_attention  # noqa: F401  (registers the block_attention ops)
+
+CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "communication", "temporaries")
+GIB = 2**30
+
+
+_ATTENTION_OPS = {torch.ops.megatron_tsp.block_attention, torch.ops.megatron_tsp.block_attention_backward}
+
+
+class StorageTracker(TorchDispatchMode):
+    """Live bytes per category over time; the per-category breakdown at the peak."""
+
+    def __init__(self, fake_scalars: bool = True, detail: int = 0) -> None:
+        super().__init__()
+        self.fake_scalars = fake_scalars
+        self.detail = detail  # keep the largest `detail` live storages at the peak
+        self.peak_op = None
+        self.peak_largest = []
+        self.origin: Dict[int, str] = {}
+        self.flops = 0
+        self.attention_flops = 0
+        self.category: Dict[int, str] = {}  # storage id -> category
+        self.size: Dict[int, int] = {}
+        self._refs: Dict[int, weakref.ref] = {}
+        self.live = dict.fromkeys(CATEGORIES, 0)
+        self.peak = 0
+        self.peak_by_category = dict(self.live)
+        self.default = "temporaries"
+
+    @staticmethod
+    def _key(st) -> int:
+        return st._cdata
+
+    def _add(self, t: torch.Tensor, category: str) -> None:
+        st = t.untyped_storage()
+        key = self._key(st)
+        if key in self.category:
+            return
+        self.category[key] = category
+        self.origin[key] = self._current_op
+        self.size[key] = st.nbytes()
+        self.live[category] += st.nbytes()
+        self._refs[key] = weakref.ref(st, lambda _, key=key: self._free(key))
+        self._update_peak()
+
+    def _free(self, key: int) -> None:
+        category = self.category.pop(key, None)
+        if category is not None:
+            self.live[category] -= self.size.pop(key)
+            self._refs.pop(key, None)
+            self.origin.pop(key, None)
+
+    def _update_peak(self) -> None:
+        total = sum(self.live.values())
+        if total > self.peak:
+            self.peak = total
+            self.peak_by_category = dict(self.live)
+            self.peak_op = self._current_op
+            if self.detail:
+                largest = sorted(self.size, key=self.size.get, reverse=True)[: self.detail]
+                self.peak_largest = [(self.size[k] / GIB, self.category[k], self.origin.get(k)) for k in largest]
+
+    def tag(self, tensors, category: str, only_from=None) -> None:
+        """(Re)attribute the storages of ``tensors`` to ``category`` (starting to track them)."""
+        for t in tensors:
+            if not isinstance(t, torch.Tensor):
+                continue
+            key = self._key(t.untyped_storage())
+            if key not in self.category:
+                self._add(t, category)
+            elif only_from is None or self.category[key] in only_from:
+                old = self.category[key]
+                self.live[old] -= self.size[key]
+                self.live[category] += self.size[key]
+                self.category[key] = category
+
+    def reset_peak(self) -> None:
+        self.peak = 0
+        self._update_peak()
+
+    _current_op = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.fake_scalars and func is torch.ops.aten._local_scalar_dense.default:
+            return False if args[0].dtype == torch.bool else 1
+        self._current_op = f"{func.__name__}{' (backward)' if torch._C._current_graph_task_id() != -1 else ''}"
+        out = func(*args, **(kwargs or {}))
+        formula = flop_registry.get(func._overloadpacket)
+        if formula is not None:
+            # torch's FLOP formulas, applied here rather than under FlopCounterMode, whose
+            # module hooks keep activations alive and would distort the memory measured
+            flops = formula(*args, **(kwargs or {}), out_val=out)
+            self.flops += flops
+            if func._overloadpacket in _ATTENTION_OPS:
+                self.attention_flops += flops
+        for t in out if isinstance(out, (list, tuple)) else [out]:
+            if isinstance(t, torch.Tensor):
+                self._add(t, self.default)
+        return out
+
+
+class SavedTensors:
+    """Every storage autograd keeps from the forward pass, with the module that saved it and
+    the op that made it: the activation accounting of ``megatron-tsp memory --per-layer``.
+
+    A module stack (global forward hooks) names the innermost module running when a tensor is
+    saved; storages saved twice (an input two ops keep) count once, and a view keeps its whole
+    storage alive, so a storage is counted whole. Weights saved for backward are parameters,
+    not activations. Recomputation in the backward pass is not recorded: only what the
+    forward pass leaves behind.
+    """
+
+    def __init__(self, tracker: StorageTracker) -> None:
+        self.tracker = tracker
+        self.names: Dict[torch.nn.Module, str] = {}
+        self.rows: Dict[int, Dict] = {}
+        self._stack: List[str] = []
+
+    def watch(self, model: torch.nn.Module) -> None:
+        self.names = {module: name for name, module in model.named_modules()}
+
+    def __enter__(self) -> "SavedTensors":
+        from torch.nn.modules import module as nn_module
+
+        def push(module, args):
+            self._stack.append(self.names.get(module, type(module).__name__))
+
+        def pop(module, args, output):
+            self._stack.pop()
+
+        self._handles = [nn_module.register_module_forward_pre_hook(push),
+                         nn_module.register_module_forward_hook(pop)]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+    def saved(self, t: torch.Tensor) -> None:
+        if torch._C._current_graph_task_id() != -1:  # a recomputation in backward
+            return
+        key = StorageTracker._key(t.untyped_storage())
+        if key not in self.rows and self.tracker.category.get(key) == "activations":  # not weights
+            self.rows[key] = {"module": self._stack[-1] if self._stack else "", "op": self.tracker.origin.get(key),
+                              "shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", ""),
+                              "bytes": t.untyped_storage().nbytes()}
+
+    def layer(self, prefix: str = "decoder.layers.0.") -> List[Dict]:
+        """The rows saved inside one layer (module names relative to it), largest first."""
+        rows = [dict(r, module=r["module"][len(prefix):]) for r in self.rows.values()
+                if r["module"].startswith(prefix)]
+        return sorted(rows, key=lambda r: -r["bytes"])

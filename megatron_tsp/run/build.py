@@ -1,0 +1,130 @@
+"""From resolved arguments to megatron-core objects: the TransformerConfig, the process
+groups, and the model and optimizer of a mode (the one build every command and test uses)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.distributed import DistributedDataParallelConfig
+from megatron.core.optimizer import OptimizerConfig
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_tsp.core.parallel_state import initialize_model_parallel
+from megatron_tsp.run import data, modes, step
+from megatron_tsp.run.compat import enable_cpu_support
+from megatron_tsp.run.modes import Mode
+
+
+def transformer_config(args) -> TransformerConfig:
+    on_gpu = torch.cuda.is_available()
+    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+    recompute = {}
+    if args.recompute_granularity:
+        recompute = dict(recompute_granularity=args.recompute_granularity,
+                         recompute_method=args.recompute_method,
+                         recompute_num_layers=args.recompute_num_layers,
+                         recompute_modules=args.recompute_modules)
+    return TransformerConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
+        kv_channels=args.kv_channels,
+        tensor_model_parallel_size=args.tsp_size * args.tensor_model_parallel_size,
+        sequence_parallel=args.sequence_parallel,
+        context_parallel_size=args.context_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        normalization=args.normalization,
+        gated_linear_unit=args.swiglu,
+        activation_func=F.silu if args.swiglu else F.gelu,
+        add_bias_linear=not args.disable_bias_linear,
+        add_qkv_bias=args.add_qkv_bias,
+        qk_layernorm=args.qk_layernorm,
+        attention_dropout=args.attention_dropout,
+        hidden_dropout=args.hidden_dropout,
+        init_method_std=args.init_method_std,
+        layernorm_epsilon=args.norm_epsilon,
+        bf16=args.bf16,
+        fp16=args.fp16,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        use_cpu_initialization=not on_gpu,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=on_gpu,
+        **recompute,
+    )
+
+
+def model_args(args) -> Dict[str, Any]:
+    """The arguments that decide the model's parameters and their shapes (not how it is split
+    or trained): saved with a checkpoint and compared at load."""
+    keys = ["num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+            "kv_channels", "position_embedding_type", "normalization", "swiglu", "disable_bias_linear",
+            "add_qkv_bias", "qk_layernorm", "untie_embeddings_and_output_weights"]
+    if args.position_embedding_type == "learned_absolute":
+        keys.append("max_position_embeddings")
+    out = {key: getattr(args, key) for key in keys}
+    out["padded_vocab_size"] = data.padded_vocab(args)
+    return out
+
+
+def initialize(args, seed: bool = True, **megatron_kwargs) -> None:
+    """Process groups of the run (TSP, or TP/CP for a baseline) and, with ``seed``, the RNGs."""
+    if not torch.cuda.is_available():
+        enable_cpu_support()
+    initialize_model_parallel(
+        tsp_size=args.tsp_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        context_parallel_size=args.context_parallel_size,
+        **megatron_kwargs,
+    )
+    if seed:
+        torch.manual_seed(args.seed)
+        model_parallel_cuda_manual_seed(args.seed)
+
+
+def build(args, mode: Optional[Mode] = None, attention_backend: str = "auto", clip_grad: Optional[float] = None,
+          use_gloo_process_groups: bool = True, transformer_engine: bool = True):
+    """(TransformerConfig, DDP model chunks, optimizer) of the run, as megatron-core builds them.
+    ``mode`` defaults to the one ``args`` runs in (``tsp-no-overlap`` is the one it cannot
+    tell); ``transformer_engine``: see :meth:`Mode.layer_spec`."""
+    config = transformer_config(args)
+    spec = (mode or modes.of(args)).layer_spec(args, config, attention_backend, transformer_engine)
+    model = step.build_model(
+        config, spec, data.padded_vocab(args),
+        args.max_position_embeddings,
+        position_embedding_type=args.position_embedding_type,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        ddp_config=DistributedDataParallelConfig(
+            use_distributed_optimizer=args.use_distributed_optimizer,
+            overlap_grad_reduce=args.overlap_grad_reduce,
+            overlap_param_gather=args.overlap_param_gather,
+            grad_reduce_in_fp32=args.bf16 or args.fp16,
+        ),
+    )
+    optimizer = step.build_optimizer(model, OptimizerConfig(
+        optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
+        clip_grad=args.clip_grad if clip_grad is None else clip_grad,
+        bf16=args.bf16, fp16=args.fp16, params_dtype=config.params_dtype,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+    ), use_gloo_process_groups=use_gloo_process_groups)
+    return config, model, optimizer
+
+
+def stepper(args, mode: Optional[Mode] = None, **build_kwargs) -> Callable[[], Dict]:
+    """Build the model of ``mode`` and return a function that trains one micro-batch step on
+    a new batch each call (seeds 0, 1, 2, ...: step n of every mode sees the same tokens),
+    returning :func:`step.train_step`'s result: what the benchmark and the GPU check time."""
+    mode = mode or modes.of(args)
+    _, model, optimizer = build(args, mode, **build_kwargs)
+    device = torch.cuda.current_device() if torch.cuda.is_available() else None
+    batches = data.make_batches(args.micro_batch_size, args.seq_length, args.vocab_size, device)
+    transform = mode.batch_transform(args)
+    return lambda: step.train_step(model, optimizer, [next(batches)], 1, args.seq_length, args.micro_batch_size,
+                                   transform)

@@ -1,0 +1,126 @@
+"""What a parallel mode is: the one place that knows ``tsp``, ``tp``, ``tp-sp`` and ``tp-cp``.
+
+A mode lays a config's model-parallel size D out over the parallel dimensions (the same
+model, batch, sequence and recompute), chooses the transformer layers, the batch transform
+and the layers' own communication overlap, and says which process groups' traffic it hides
+behind compute (what the performance model needs). Training, the memory planner, the
+benchmark, the GPU check, the performance model and the tests all go through :data:`MODES`:
+adding a mode is one entry there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+
+from megatron_tsp.errors import ConfigError
+from megatron_tsp.run import config
+
+PARALLEL_KEYS = ("tsp_size", "tensor_model_parallel_size", "context_parallel_size", "sequence_parallel")
+
+
+@dataclass(frozen=True)
+class Mode:
+    """``sizes(D, cp)``: the parallel config keys of the mode at model-parallel size D.
+    ``hides``: groups whose traffic the mode's own layers overlap with compute;
+    ``hides_with_tp_comm_overlap``: groups hidden only with TransformerEngine's
+    ``--tp-comm-overlap``; ``behind_attention``: groups that can hide behind attention only."""
+
+    name: str
+    summary: str
+    sizes: Callable[[int, int], Dict]
+    tsp_layers: bool = False
+    overlap_comm: bool = True
+    hides: Tuple[str, ...] = ()
+    hides_with_tp_comm_overlap: Tuple[str, ...] = ()
+    behind_attention: Tuple[str, ...] = ()
+
+    def values(self, values: Dict, cp: int = 2) -> Dict:
+        """The config ``values`` with its model-parallel size re-laid out as this mode."""
+        v = dict(values)
+        d = 1
+        for key in PARALLEL_KEYS[:3]:
+            d *= max(v.get(key, 1), 1)
+        for key in PARALLEL_KEYS:
+            v.pop(key, None)
+        v.update(self.sizes(d, cp))
+        return v
+
+    def args(self, values: Dict, cp: int = 2):
+        """The resolved arguments of ``values`` laid out as this mode."""
+        return config.resolve(self.values(values, cp))
+
+    def layer_spec(self, args, config, attention_backend: str = "auto", transformer_engine: bool = True):
+        """TSP block spec (its final norm accepts sequence parallelism where megatron's torch
+        norm would not); else megatron's TransformerEngine spec where TE runs and
+        ``transformer_engine`` allows it, else the local spec with the attention op TSP uses
+        (baselines.py). Comparisons pass ``transformer_engine=False`` so that every mode runs
+        the same attention kernels."""
+        from megatron_tsp.core.baselines import get_gpt_layer_baseline_spec
+        from megatron_tsp.core.spec import get_gpt_block_tsp_spec
+        from megatron_tsp.env import transformer_engine_version
+
+        if self.tsp_layers:
+            return get_gpt_block_tsp_spec(config, qk_layernorm=args.qk_layernorm,
+                                          attention_backend=attention_backend, overlap_comm=self.overlap_comm)
+        if transformer_engine and torch.cuda.is_available() and transformer_engine_version() is not None:
+            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+            return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_layernorm)
+        return get_gpt_layer_baseline_spec(qk_layernorm=args.qk_layernorm, normalization=args.normalization,
+                                           attention_backend=attention_backend)
+
+    def batch_transform(self, args) -> Optional[Callable]:
+        """Zigzag order for TSP; megatron's context-parallel slice for CP; nothing otherwise."""
+        if self.tsp_layers and args.tsp_size > 1:
+            from megatron_tsp.core.zigzag import zigzag_batch
+
+            return lambda b: zigzag_batch(b, args.tsp_size)
+        if args.context_parallel_size > 1:
+            from megatron.core.utils import get_batch_on_this_cp_rank
+
+            return get_batch_on_this_cp_rank
+        return None
+
+    def overlapped(self, tp_comm_overlap: bool) -> Tuple[str, ...]:
+        """The groups whose traffic hides behind compute (the data-parallel gradient reduce
+        always overlaps the backward pass)."""
+        return self.hides + (self.hides_with_tp_comm_overlap if tp_comm_overlap else ()) + ("dp", "dp_cp")
+
+
+def _tp_cp(d: int, cp: int) -> Dict:
+    if d % cp:
+        raise ConfigError(f"mode tp-cp: model-parallel size {d} is not divisible by --cp {cp}")
+    return dict(tensor_model_parallel_size=d // cp, context_parallel_size=cp, sequence_parallel=d // cp > 1)
+
+
+_TSP = dict(tsp_layers=True, hides=("tsp_weight", "tp"), behind_attention=("tp",))
+MODES: Dict[str, Mode] = {m.name: m for m in (
+    Mode("tsp", "TSP D (weights and tokens on one axis)", lambda d, cp: dict(tsp_size=d), **_TSP),
+    Mode("tsp-no-overlap", "TSP D with its communication not overlapped (benchmark only)",
+         lambda d, cp: dict(tsp_size=d), **dict(_TSP, overlap_comm=False, hides=(), behind_attention=())),
+    Mode("tp", "TP D", lambda d, cp: dict(tensor_model_parallel_size=d), hides_with_tp_comm_overlap=("tp",)),
+    Mode("tp-sp", "TP D + sequence parallelism", lambda d, cp: dict(tensor_model_parallel_size=d, sequence_parallel=True),
+         hides_with_tp_comm_overlap=("tp",)),
+    Mode("tp-cp", "TP D/cp x CP cp (TP+SP when D/cp > 1)", _tp_cp, hides=("cp",),
+         hides_with_tp_comm_overlap=("tp",), behind_attention=("cp",)),
+)}
+# the modes that train a model of their own; tsp-no-overlap is tsp, timed without its overlap
+LAYOUTS = ("tsp", "tp", "tp-sp", "tp-cp")
+
+
+def get_mode(name: str, allowed=tuple(MODES)) -> Mode:
+    if name not in allowed:
+        raise ConfigError(f"unknown mode {name!r}; use one of {', '.join(allowed)}")
+    return MODES[name]
+
+
+def of(args) -> Mode:
+    """The mode a resolved config runs in."""
+    if args.tsp_size > 1:
+        return MODES["tsp"]
+    if args.context_parallel_size > 1:
+        return MODES["tp-cp"]
+    return MODES["tp-sp" if args.sequence_parallel else "tp"]
