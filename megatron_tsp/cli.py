@@ -71,8 +71,6 @@ def _under_torchrun() -> bool:
 
 def _init_torchrun(timeout_min: float = 10.0) -> None:
     """Join the job torchrun started: NCCL (RCCL on ROCm) on GPUs, gloo otherwise."""
-    import datetime
-
     import torch
     import torch.distributed as dist
 

@@ -20,24 +20,15 @@ from __future__ import annotations
 from functools import partial
 from typing import List, Optional
 
+from megatron_tsp.core.parallel_state import adopt_megatron_groups
 from megatron_tsp.core.spec import get_gpt_layer_tsp_spec
+from megatron_tsp.core.support import violations
+from megatron_tsp.core.zigzag import zigzag_batch
 
 # `--spec megatron_tsp.megatron_lm <name>`: Megatron-LM imports these objects as they are.
 layer_spec = get_gpt_layer_tsp_spec()
 layer_spec_qk_layernorm = get_gpt_layer_tsp_spec(qk_layernorm=True)
 
-# flag -> why TSP cannot take it (checked before Megatron-LM parses anything)
-UNSUPPORTED = {
-    "--spec": "the TSP layer spec is chosen by --tsp-size",
-    "--num-experts": "mixture-of-experts is not supported with --tsp-size",
-    "--multi-latent-attention": "multi-latent attention is not supported with --tsp-size",
-    "--mtp-num-layers": "multi-token prediction is not supported with --tsp-size",
-    "--use-legacy-models": "TSP needs megatron-core models",
-    "--tp-comm-overlap": "TransformerEngine's TP overlap does not apply to TSP",
-    "--fp8-format": "fp8 is not supported with --tsp-size",
-    "--sft": "packed (THD) sequences are not supported with --tsp-size",
-}
-SIZE_FLAGS = ("--tensor-model-parallel-size", "--context-parallel-size")
 
 
 def _value(argv: List[str], flag: str) -> Optional[str]:
@@ -61,17 +52,16 @@ def translate_argv(argv: List[str]) -> List[str]:
         raise SystemExit(f"--tsp-size must be >= 1 (got {tsp})")
     if tsp == 1:
         return list(argv)
-    for flag in SIZE_FLAGS:
-        value = _value(argv, flag)
-        if value is not None and int(value) > 1:
-            raise SystemExit(f"--tsp-size {tsp} cannot be combined with {flag} {value}: "
-                             f"TSP occupies the tensor-parallel slot and shards the sequence; set {flag} 1")
-    for flag, why in UNSUPPORTED.items():
-        if _present(argv, flag):
-            raise SystemExit(f"{flag} cannot be used with --tsp-size: {why}")
+
+    def given(rule):  # the flag's value on the command line, checked before Megatron-LM parses it
+        if not _present(argv, rule.flag):
+            raise KeyError(rule.flag)
+        value = _value(argv, rule.flag)
+        return True if rule.feature or value is None else rule.type(value)
+
+    for message in violations(given, tsp, ("all", "attention", "mlp", "launch")):
+        raise SystemExit(message)
     dropout = _value(argv, "--attention-dropout")
-    if dropout is not None and float(dropout) > 0:
-        raise SystemExit(f"--attention-dropout {dropout} is not supported with --tsp-size; set --attention-dropout 0")
     spec = "layer_spec_qk_layernorm" if _present(argv, "--qk-layernorm") else "layer_spec"
     out = list(argv)
     out += ["--tensor-model-parallel-size", str(tsp), "--sequence-parallel",
@@ -105,8 +95,6 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False):
     from megatron.core.utils import get_attr_wrapped_model
     from megatron.training import get_args
 
-    from megatron_tsp.core.zigzag import zigzag_batch
-
     if return_schedule_plan:
         raise NotImplementedError("--overlap-moe-expert-parallel-comm is not supported with --tsp-size")
     vp_stage = get_attr_wrapped_model(model, "vp_stage")
@@ -126,8 +114,6 @@ def model_provider(*args, **kwargs):
     from gpt_builders import gpt_builder
     from megatron.training import get_args
     from model_provider import model_provider as megatron_model_provider
-
-    from megatron_tsp.core.parallel_state import adopt_megatron_groups
 
     if get_args().tsp_size > 1:
         adopt_megatron_groups(get_args().tsp_size)

@@ -14,6 +14,7 @@ import pytest
 from megatron_tsp.run.launch import WorkerPool
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 
 _POOLS = {}
 

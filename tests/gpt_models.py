@@ -7,6 +7,8 @@ Adam steps through ``get_forward_backward_func``. Data-parallel replicas take di
 micro-batches of the same global batch, so every mode sees the same data.
 """
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state as mpu
@@ -19,8 +21,10 @@ from megatron.core.utils import get_batch_on_this_cp_rank
 
 import megatron_tsp
 from megatron_tsp import zigzag_batch
-from megatron_tsp.run import checkpointing, step as training
 from megatron_tsp.core.baselines import get_gpt_layer_baseline_spec
+from megatron_tsp.run import checkpointing
+from megatron_tsp.run import step as training
+from megatron_tsp.run.data import make_batch
 
 VOCAB = 128
 SEQ = 32
@@ -49,31 +53,29 @@ def tiny_config(**overrides) -> TransformerConfig:
 
 def batches(n, seq=SEQ, micro_batch=MICRO_BATCH, vocab=VOCAB, seed=0):
     """``n`` deterministic micro-batches; the last quarter of each sequence is masked out."""
-    g = torch.Generator().manual_seed(seed)
     out = []
-    for _ in range(n):
-        tokens = torch.randint(0, vocab, (micro_batch, seq + 1), generator=g)
-        loss_mask = torch.ones(micro_batch, seq)
-        loss_mask[:, -seq // 4 :] = 0.0
-        out.append({
-            "tokens": tokens[:, :-1].contiguous(),
-            "labels": tokens[:, 1:].contiguous(),
-            "loss_mask": loss_mask,
-            "position_ids": torch.arange(seq).unsqueeze(0).expand(micro_batch, -1).contiguous(),
-            "attention_mask": None,
-        })
+    for i in range(n):
+        batch = make_batch(micro_batch, seq, vocab, seed=1000 * seed + i)
+        batch["loss_mask"][:, -seq // 4 :] = 0.0
+        out.append(batch)
     return out
 
 
+class Step(NamedTuple):
+    loss: float
+    grad_norm: float
+
+
 def setup(mode, model="modern", tsp=1, tp=1, cp=1, pp=1, recompute=None, overlap_grad_reduce=False,
-          use_distributed_optimizer=True, block_spec=False):
-    """Process groups, model (DDP-wrapped chunks), optimizer and batch transform for a mode:
-    ``single``/``tp``/``tp-sp`` (stock local spec), ``tp-cp`` (baseline spec, TP+SP x CP),
-    ``tsp``."""
+          use_distributed_optimizer=True, block_spec=False, init=True, **config_overrides):
+    """Process groups (unless ``init`` is false), model (DDP-wrapped chunks), optimizer and
+    batch transform for a mode: ``single``/``tp``/``tp-sp`` (stock local spec), ``tp-cp``
+    (baseline spec, TP+SP x CP), ``tsp``; ``config_overrides`` go to the TransformerConfig.
+    The one builder of the tests' GPT models."""
     size = tsp if mode == "tsp" else tp
-    if mode == "tsp":
+    if init and mode == "tsp":
         megatron_tsp.initialize_model_parallel(tsp_size=tsp, pipeline_model_parallel_size=pp)
-    else:
+    elif init:
         megatron_tsp.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp,
                                                pipeline_model_parallel_size=pp)
     overrides, position_embedding_type = MODELS[model]
@@ -85,10 +87,10 @@ def setup(mode, model="modern", tsp=1, tp=1, cp=1, pp=1, recompute=None, overlap
             extra.update(recompute_modules=modules.split(","))
         if recompute == "full":
             extra.update(recompute_method="uniform", recompute_num_layers=1)
-    config = tiny_config(**overrides, **extra, tensor_model_parallel_size=size,
-                         pipeline_model_parallel_size=pp, context_parallel_size=cp,
-                         sequence_parallel=(mode == "tsp" and tsp > 1) or mode == "tp-sp"
-                         or (mode == "tp-cp" and tp > 1))
+    config = tiny_config(**dict(dict(overrides, **extra, tensor_model_parallel_size=size,
+                                     pipeline_model_parallel_size=pp, context_parallel_size=cp,
+                                     sequence_parallel=(mode == "tsp" and tsp > 1) or mode == "tp-sp"
+                                     or (mode == "tp-cp" and tp > 1)), **config_overrides))
     if mode == "tsp":
         spec = megatron_tsp.get_gpt_block_tsp_spec(config) if block_spec else megatron_tsp.get_gpt_layer_tsp_spec()
     elif mode == "tp-cp":
@@ -115,11 +117,11 @@ def step(chunks, optimizer, transform, global_microbatches=2, seed=0):
     mine = batches(global_microbatches, seed=seed)[dp_rank::dp]
     result = training.train_step(chunks, optimizer, mine, len(mine), SEQ, MICRO_BATCH,
                                  batch_transform=transform)
-    return result["loss"], result["grad_norm"]
+    return Step(result["loss"], result["grad_norm"])
 
 
 def run(mode, model="modern", steps=3, global_microbatches=2, load=None, save=None, **setup_kwargs):
-    """Train ``steps`` steps; return [(loss, grad_norm), ...] (the same on every rank).
+    """Train ``steps`` steps; return a :class:`Step` per step (the same on every rank).
 
     ``load``: start from this checkpoint's weights; ``save``: checkpoint the weights first.
     """

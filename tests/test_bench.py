@@ -8,8 +8,8 @@ import torch
 
 from megatron_tsp.measure import bench
 from megatron_tsp.run.data import make_batch
+from conftest import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH_CONFIG = os.path.join(ROOT, "configs", "bench-cpu.yaml")  # RoPE, GQA, SwiGLU, RMSNorm
 
 

@@ -8,8 +8,8 @@ import re
 import pytest
 
 from megatron_tsp.run import config
+from conftest import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "**", "*.yaml"), recursive=True))
 RUN_CONFIGS = [c for c in CONFIGS if "hardware" not in c]
 

@@ -15,8 +15,8 @@ import pytest
 from megatron_tsp import cli
 
 from megatron_tsp.run import config, data, preflight
+from conftest import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "tiny-cpu.yaml")
 MODEL_7B = os.path.join(ROOT, "configs", "7b", "128k-tsp8.yaml")
 H100 = os.path.join(ROOT, "configs", "hardware", "h100.yaml")

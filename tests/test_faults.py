@@ -22,8 +22,8 @@ import torch.distributed as dist
 from megatron_tsp.run import checkpointing, config, step as training
 from megatron_tsp.errors import CheckpointError, TrainingStopped
 from megatron_tsp.run.launch import RankError, WorkerPool
+from conftest import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = dict(mock_data=True, vocab_size=120, num_layers=1, hidden_size=32, num_attention_heads=4,
             seq_length=16, attention_dropout=0.0, hidden_dropout=0.0, tsp_size=2,
             micro_batch_size=2, train_iters=6, lr_warmup_iters=0, log_interval=100,

@@ -7,7 +7,7 @@ grad norm at every step within 1e-5 of the world=1 stock model from the same see
 
 import pytest
 
-from gpt_models import assert_history_close, run
+from gpt_models import assert_history_close, run, setup
 
 STEPS = 10
 
@@ -61,17 +61,13 @@ def test_tsp_and_tp_sp_loss_curves_match(ranks):
 
 def _build_errors():
     import megatron_tsp
-    from megatron_tsp.run import step as training
-    from gpt_models import VOCAB, SEQ, tiny_config
 
     megatron_tsp.initialize_model_parallel(tsp_size=4)
     messages = []
     for overrides in (dict(sequence_parallel=False), dict(attention_dropout=0.1),
                       dict(ffn_hidden_size=130), dict(num_query_groups=2)):
-        kwargs = dict(tensor_model_parallel_size=4, sequence_parallel=True)
-        kwargs.update(overrides)
         try:
-            training.build_model(tiny_config(**kwargs), megatron_tsp.get_gpt_layer_tsp_spec(), VOCAB, SEQ)
+            setup("tsp", "classic", tsp=4, init=False, **overrides)
         except ValueError as exc:
             messages.append(str(exc))
         else:

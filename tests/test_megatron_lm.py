@@ -12,8 +12,8 @@ import sys
 import pytest
 
 from megatron_tsp import megatron_lm
+from conftest import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MEGATRON_LM = os.environ.get("MEGATRON_LM_PATH")
 needs_megatron_lm = pytest.mark.skipif(
     not MEGATRON_LM or not os.path.isfile(os.path.join(MEGATRON_LM or "", "pretrain_gpt.py")),

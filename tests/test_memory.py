@@ -9,8 +9,8 @@ from megatron_tsp.measure import memory
 
 from megatron_tsp.run import config
 from megatron_tsp.run.modes import get_mode
+from conftest import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "tiny-cpu.yaml")
 
 

@@ -5,8 +5,8 @@ import os
 from megatron_tsp.measure import memory, perfmodel
 
 from megatron_tsp.run import config
+from conftest import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HW = perfmodel.load_hardware(os.path.join(ROOT, "configs", "hardware", "mi300x.yaml"))
 TINY = os.path.join(ROOT, "configs", "tiny-cpu.yaml")
 

@@ -7,8 +7,8 @@ import os
 import pytest
 
 from megatron_tsp.measure import perfmodel, plan
+from conftest import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 H100 = perfmodel.load_hardware(os.path.join(ROOT, "configs", "hardware", "h100.yaml"))
 TINY = dict(num_layers=2, hidden_size=64, num_attention_heads=8, ffn_hidden_size=256, seq_length=2048,
             position_embedding_type="rope", normalization="RMSNorm", disable_bias_linear=True,

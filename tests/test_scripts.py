@@ -7,8 +7,8 @@ import subprocess
 import pytest
 
 from megatron_tsp.measure import compare
+from conftest import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = sorted(glob.glob(os.path.join(ROOT, "scripts", "**", "*.sh"), recursive=True)
                  + glob.glob(os.path.join(ROOT, "scripts", "**", "*.sbatch"), recursive=True)
                  + glob.glob(os.path.join(ROOT, ".ci", "run")))

@@ -12,8 +12,8 @@ import sys
 import time
 
 import pytest
+from conftest import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ITERS = 30
 QUICK = ["--num-layers", "2", "--log-interval", "1", "--train-iters", str(ITERS),
          "--data-path", None]  # data path filled per test

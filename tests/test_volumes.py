@@ -12,8 +12,8 @@ import pytest
 from megatron_tsp.measure import memory, volumes
 
 from megatron_tsp.run import config
+from conftest import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 D, SEQ, LAYERS = 2, 256, 2
 
 

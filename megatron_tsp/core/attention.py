@@ -24,9 +24,11 @@ the op every baseline uses too.
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Tuple
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
@@ -34,11 +36,11 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_tsp.core import comm, zigzag
-from megatron_tsp.core.support import check_attention_config
 from megatron_tsp.core.block_attention import block_attention_backward, block_attention_forward, select_backend
 from megatron_tsp.core.kv import GatherKV, ScatterKVGrads
 from megatron_tsp.core.parallel_state import resolve_tsp_groups
 from megatron_tsp.core.streaming import ShardStream, linear_pair_shard
+from megatron_tsp.core.support import check_attention_config
 
 
 class TSPSelfAttention(SelfAttention):
@@ -100,16 +102,6 @@ class TSPSelfAttention(SelfAttention):
             key = apply_rotary_pos_emb(key, freqs, config=self.config, cp_group=self.pg_collection.cp)
         return query, key, value
 
-    def attend(self, query, keys, values):
-        """Causal attention of local queries against the gathered keys: out ``[s, b, a/D, d]``
-        and its log-sum-exp ``[b, a/D, s]``."""
-        return block_attention_forward(query, keys, values, self.chunk_ids, self.softmax_scale,
-                                       self.attention_backend)
-
-    def attend_backward(self, d_out, query, keys, values, out, lse):
-        return block_attention_backward(d_out, query, keys, values, out, lse, self.chunk_ids,
-                                        self.softmax_scale, self.attention_backend)
-
     # ---- forward -----------------------------------------------------------------------
     def forward(
         self,
@@ -148,9 +140,13 @@ class TSPSelfAttention(SelfAttention):
             if rotary_pos_emb.size(0) < seq_len:
                 raise ValueError(f"rotary table has {rotary_pos_emb.size(0)} positions, sequence has {seq_len}")
             freqs = rotary_pos_emb[zigzag.local_positions(seq_len, d_size, rank, rotary_pos_emb.device)]
-        output = _TSPAttentionFunction.apply(
-            self, freqs, hidden_states, *self.shard_tensors(), *self.replicated_parameters()
-        )
+        shard = self.shard_tensors()
+        stream = HeadGroupStream(
+            kv_group=self.tsp_group, weight_group=self.weight_group, split_heads=self.split_heads,
+            chunk_ids=self.chunk_ids, softmax_scale=self.softmax_scale, backend=self.attention_backend,
+            hidden_size=self.config.hidden_size, head_dim=self.hidden_size_per_attention_head,
+            has_bias=len(shard) == 3, overlap=self.overlap_comm, scope=self.comm_scope)
+        output = StreamAttentionHeads.apply(stream, freqs, hidden_states, *shard, *self.replicated_parameters())
         return output, self.linear_proj.bias
 
 
@@ -176,7 +172,41 @@ class _OneGroupBehind:
             self.pending = None
 
 
-class _TSPAttentionFunction(torch.autograd.Function):
+@dataclass(frozen=True)
+class HeadGroupStream:
+    """The arguments of the attention schedule: the group K/V are gathered over and the one
+    weight shards are broadcast over; ``split_heads(qkv, freqs) -> q, k, v`` for one head group
+    (q/k norms and RoPE: the layer's local stage); the attention op's ``chunk_ids`` (this
+    rank's zigzag chunks), scale and backend; whether the QKV projection has a bias (a shard
+    is then Wqkv, bqkv, Wproj); the overlap switch and the traffic's name in ``comm.COUNTER``."""
+
+    kv_group: dist.ProcessGroup
+    weight_group: dist.ProcessGroup
+    split_heads: Callable
+    chunk_ids: Tuple[int, int]
+    softmax_scale: float
+    backend: str
+    hidden_size: int
+    head_dim: int
+    has_bias: bool
+    overlap: bool = True
+    scope: str = "attention"
+
+    @property
+    def n_shard(self) -> int:
+        return 3 if self.has_bias else 2
+
+    def attend(self, query, keys, values):
+        """Causal attention of local queries against the gathered keys: out ``[s, b, a/D, d]``
+        and its log-sum-exp ``[b, a/D, s]``."""
+        return block_attention_forward(query, keys, values, self.chunk_ids, self.softmax_scale, self.backend)
+
+    def attend_backward(self, d_out, query, keys, values, out, lse):
+        return block_attention_backward(d_out, query, keys, values, out, lse, self.chunk_ids,
+                                        self.softmax_scale, self.backend)
+
+
+class StreamAttentionHeads(torch.autograd.Function):
     """y_p = sum_r attn(x_p; W_r) Wproj_r^T with W_r broadcast from rank r (module docstring).
 
     Saved per head group r, for this rank's tokens only: the QKV projection ``m_r``, the
@@ -185,7 +215,7 @@ class _TSPAttentionFunction(torch.autograd.Function):
     attention kernels' backward from ``(o_r, lse_r)``: no attention forward and no
     projection GEMM is recomputed.
 
-    K/V overlap (``layer.overlap_comm``): in forward the QKV projection runs one head group
+    K/V overlap (``stream.overlap``): in forward the QKV projection runs one head group
     ahead, so that group r+1's K/V all-gather is in flight while group r attends; in backward
     group r+1's K/V gather is started before group r's attention backward, and group r's
     dK/dV reduce-scatter is in flight while group r+1 computes (group r's weight gradients
@@ -195,95 +225,98 @@ class _TSPAttentionFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, layer: TSPSelfAttention, freqs, x, *params):
-        n_shard = len(layer.shard_tensors())
-        own = params[:n_shard]
-        y = torch.zeros(x.shape[:2] + (layer.config.hidden_size,), dtype=x.dtype, device=x.device)
+    def forward(ctx, stream: HeadGroupStream, freqs, x, *params):
+        own = params[: stream.n_shard]
+        y = torch.zeros(x.shape[:2] + (stream.hidden_size,), dtype=x.dtype, device=x.device)
         projections, outputs, lses = [], [], []
 
         def finish(query, gather, w_proj):
             nonlocal y
-            out, lse = layer.attend(query, *gather.wait())
+            out, lse = stream.attend(query, *gather.wait())
             out = out.flatten(2)
             y += F.linear(out, w_proj)
             outputs.append(out)
             lses.append(lse)
 
-        groups = _OneGroupBehind(finish, layer.overlap_comm)  # items: (q, K/V gather in flight, Wproj)
-        stream = ShardStream(own, layer.weight_group, overlap=layer.overlap_comm)
-        with comm.scope(f"{layer.comm_scope}/forward"):
-            for _, shard in stream:
+        groups = _OneGroupBehind(finish, stream.overlap)  # items: (q, K/V gather in flight, Wproj)
+        shards = ShardStream(own, stream.weight_group, overlap=stream.overlap)
+        with comm.scope(f"{stream.scope}/forward"):
+            for _, shard in shards:
                 mixed = F.linear(x, *shard[:-1])
-                q, k, v = layer.split_heads(mixed, freqs)
+                q, k, v = stream.split_heads(mixed, freqs)
                 projections.append(mixed)
-                groups.push((q, GatherKV(k, v, layer.tsp_group), shard[-1]))
+                groups.push((q, GatherKV(k, v, stream.kv_group), shard[-1]))
                 del q, k, v
             groups.flush()
-        ctx.layer = layer
-        ctx.n_shard = n_shard
-        ctx.save_for_backward(freqs, x, *own, *projections, *outputs, *lses)
+        ctx.stream = stream
+        ctx.n_replicated = len(params) - stream.n_shard
+        ctx.save_for_backward(freqs, x, *params, *projections, *outputs, *lses)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        layer: TSPSelfAttention = ctx.layer
+        stream: HeadGroupStream = ctx.stream
         freqs, x, *rest = ctx.saved_tensors
-        own, rest = rest[: ctx.n_shard], rest[ctx.n_shard :]
-        d_size = layer.tsp_group.size()
-        projections, outputs, lses = rest[:d_size], rest[d_size : 2 * d_size], rest[2 * d_size :]
-        replicated = layer.replicated_parameters()
-        head_dim = layer.hidden_size_per_attention_head
-        dy2d = dy.reshape(-1, dy.size(-1))
-        x2d = x.reshape(-1, x.size(-1))
-        dx = torch.zeros_like(x)
-        # summed over head groups in fp32: D partial sums of a bf16 norm gradient lose bits
-        d_replicated = [torch.zeros_like(p, dtype=torch.float32) for p in replicated]
-        stream = ShardStream(own, layer.weight_group, overlap=layer.overlap_comm)
-
-        def heads(r):
-            """Group r's q, k, v from its saved projection (a graph for the norm/RoPE
-            backward), and its K/V all-gather started."""
-            mixed = projections[r].detach().requires_grad_()
-            with torch.enable_grad():
-                q, k, v = layer.split_heads(mixed, freqs)
-            return (mixed, q, k, v), GatherKV(k.detach(), v.detach(), layer.tsp_group)
-
-        def attention_backward(r, shard, graph, gather):
-            """dWproj, and the attention backward of group r up to dq and its dK/dV
-            reduce-scatter (started)."""
-            out = outputs[r]
-            d_proj = dy2d.t() @ out.reshape(-1, out.size(-1))
-            d_out = (dy @ shard[-1]).view(out.shape[:2] + (-1, head_dim))
-            keys, values = gather.wait()
-            dq, d_keys, d_values = layer.attend_backward(d_out, graph[1].detach(), keys, values,
-                                                         out.view_as(d_out), lses[r])
-            return r, shard, graph, dq, ScatterKVGrads(d_keys, d_values, layer.tsp_group), d_proj
-
-        def weight_backward(r, shard, graph, dq, scatter, d_proj):
-            """Group r's dx, dW (reduced to its owner) and norm gradients, once dK/dV are back."""
-            nonlocal dx
-            mixed, q, k, v = graph
-            dk, dv = scatter.wait()
-            d_mixed, *d_norms = torch.autograd.grad((q, k, v), (mixed, *replicated), (dq, dk, dv))
-            for acc, g in zip(d_replicated, d_norms):
-                acc += g
-            d_mixed2d = d_mixed.reshape(-1, d_mixed.size(-1))
-            dx += (d_mixed2d @ shard[0]).view_as(x)
-            has_bias = len(shard) == 3
-            d_qkv = [d_mixed2d.t() @ x2d] + ([d_mixed2d.sum(0)] if has_bias else [])
-            stream.reduce_grad(r, [*d_qkv, d_proj])
-
-        groups = _OneGroupBehind(weight_backward, layer.overlap_comm)  # waiting for their dK/dV
-        with comm.scope(f"{layer.comm_scope}/backward"):
-            upcoming = heads(0)
-            for r, shard in stream:
+        n_params = stream.n_shard + ctx.n_replicated
+        own, replicated, rest = rest[: stream.n_shard], rest[stream.n_shard : n_params], rest[n_params:]
+        d_size = stream.kv_group.size()
+        saved = _HeadGroupsBackward(stream, dy, x, freqs, replicated, projections=rest[:d_size],
+                                    outputs=rest[d_size : 2 * d_size], lses=rest[2 * d_size :])
+        shards = ShardStream(own, stream.weight_group, overlap=stream.overlap)
+        groups = _OneGroupBehind(lambda *item: saved.weights(shards, *item), stream.overlap)  # awaiting dK/dV
+        with comm.scope(f"{stream.scope}/backward"):
+            upcoming = saved.heads(0)
+            for r, shard in shards:
                 graph, gather = upcoming
-                if layer.overlap_comm and r + 1 < d_size:
-                    upcoming = heads(r + 1)
-                groups.push(attention_backward(r, shard, graph, gather))
+                if stream.overlap and r + 1 < d_size:
+                    upcoming = saved.heads(r + 1)
+                groups.push(saved.attention(r, shard, graph, gather))
                 del graph, gather
-                if not layer.overlap_comm and r + 1 < d_size:
-                    upcoming = heads(r + 1)
+                if not stream.overlap and r + 1 < d_size:
+                    upcoming = saved.heads(r + 1)
             groups.flush()
-            own_grads = stream.own_grads()
-        return (None, None, dx, *own_grads, *(g.to(p.dtype) for g, p in zip(d_replicated, replicated)))
+            own_grads = shards.own_grads()
+        return (None, None, saved.dx, *own_grads,
+                *(g.to(p.dtype) for g, p in zip(saved.d_replicated, replicated)))
+
+
+class _HeadGroupsBackward:
+    """The backward of one head group r, in three stages the schedule interleaves across
+    groups: :meth:`heads` (q, k, v from the saved projection, K/V gather started),
+    :meth:`attention` (dWproj, attention backward up to dq, dK/dV reduce-scatter started),
+    :meth:`weights` (dx, dWqkv reduced to its owner, norm gradients, once dK/dV are back)."""
+
+    def __init__(self, stream: HeadGroupStream, dy, x, freqs, replicated, projections, outputs, lses):
+        self.stream, self.dy, self.x, self.freqs, self.replicated = stream, dy, x, freqs, replicated
+        self.projections, self.outputs, self.lses = projections, outputs, lses
+        self.dy2d = dy.reshape(-1, dy.size(-1))
+        self.x2d = x.reshape(-1, x.size(-1))
+        self.dx = torch.zeros_like(x)
+        # summed over head groups in fp32: D partial sums of a bf16 norm gradient lose bits
+        self.d_replicated = [torch.zeros_like(p, dtype=torch.float32) for p in replicated]
+
+    def heads(self, r):
+        mixed = self.projections[r].detach().requires_grad_()
+        with torch.enable_grad():
+            q, k, v = self.stream.split_heads(mixed, self.freqs)
+        return (mixed, q, k, v), GatherKV(k.detach(), v.detach(), self.stream.kv_group)
+
+    def attention(self, r, shard, graph, gather):
+        out = self.outputs[r]
+        d_proj = self.dy2d.t() @ out.reshape(-1, out.size(-1))
+        d_out = (self.dy @ shard[-1]).view(out.shape[:2] + (-1, self.stream.head_dim))
+        keys, values = gather.wait()
+        dq, d_keys, d_values = self.stream.attend_backward(d_out, graph[1].detach(), keys, values,
+                                                           out.view_as(d_out), self.lses[r])
+        return r, shard, graph, dq, ScatterKVGrads(d_keys, d_values, self.stream.kv_group), d_proj
+
+    def weights(self, shards: ShardStream, r, shard, graph, dq, scatter, d_proj):
+        mixed, q, k, v = graph
+        dk, dv = scatter.wait()
+        d_mixed, *d_norms = torch.autograd.grad((q, k, v), (mixed, *self.replicated), (dq, dk, dv))
+        for acc, g in zip(self.d_replicated, d_norms):
+            acc += g
+        d_mixed2d = d_mixed.reshape(-1, d_mixed.size(-1))
+        self.dx += (d_mixed2d @ shard[0]).view_as(self.x)
+        d_qkv = [d_mixed2d.t() @ self.x2d] + ([d_mixed2d.sum(0)] if self.stream.has_bias else [])
+        shards.reduce_grad(r, [*d_qkv, d_proj])

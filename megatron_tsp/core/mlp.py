@@ -16,19 +16,19 @@ saves); only the elementwise activation is recomputed.
 
 from __future__ import annotations
 
-import logging
-import sys
-from typing import List, Optional, Tuple
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_tsp.core import comm
-from megatron_tsp.core.support import check_mlp_config
 from megatron_tsp.core.parallel_state import resolve_tsp_groups
 from megatron_tsp.core.streaming import ShardRing, linear_pair_shard
+from megatron_tsp.core.support import check_mlp_config
 
 
 class TSPMLP(MLP):
@@ -77,36 +77,31 @@ class TSPMLP(MLP):
             x_linear = x_linear.clamp(min=-val, max=val)
         return config.activation_func(x_glu) * (x_linear + config.glu_linear_offset)
 
-
     def forward(self, hidden_states: torch.Tensor, per_token_scale=None, **kwargs
                 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         if per_token_scale is not None:
             raise NotImplementedError("TSPMLP: per_token_scale (MoE) is not supported")
-        output = _TSPMLPFunction.apply(self, hidden_states, *self.shard_tensors())
-        return output, self.linear_fc2.bias
+        shard = self.shard_tensors()
+        ring = MLPRing(self.weight_group, self.activation, self.config.hidden_size, has_bias=len(shard) == 3,
+                       overlap=self.overlap_comm, scope=self.comm_scope)
+        return RotateMLPShards.apply(ring, hidden_states, *shard), self.linear_fc2.bias
 
 
-class _ExpectedMLPFilter(logging.Filter):
-    """megatron's TransformerLayer warns "Unknown MLP type" for every MLP class it does not
-    special-case, once per layer and rank. TSPMLP is expected there (it takes its group
-    from the TSP state, not from the layer): drop the warning for it, keep it for others."""
+@dataclass(frozen=True)
+class MLPRing:
+    """The arguments of the ring schedule: the group the shards rotate over, the elementwise
+    activation, the output width, whether fc1 has a bias (a shard is then W1, b1, W2), the
+    overlap switch and the name of the traffic in ``comm.COUNTER``."""
 
-    def filter(self, record: logging.LogRecord) -> bool:
-        if not str(record.msg).startswith("Unknown MLP type"):
-            return True
-        frame = sys._getframe()
-        while frame is not None:
-            submodules = frame.f_locals.get("submodules")
-            if getattr(getattr(submodules, "mlp", None), "module", None) is TSPMLP:
-                return False
-            frame = frame.f_back
-        return True
+    weight_group: dist.ProcessGroup
+    activation: Callable[[torch.Tensor], torch.Tensor]
+    hidden_size: int
+    has_bias: bool
+    overlap: bool = True
+    scope: str = "mlp"
 
 
-logging.getLogger("megatron.core.transformer.transformer_layer").addFilter(_ExpectedMLPFilter())
-
-
-class _TSPMLPFunction(torch.autograd.Function):
+class RotateMLPShards(torch.autograd.Function):
     """y_p = sum_j act(x_p W1_j^T + b1_j) W2_j^T over shards arriving on the ring.
 
     Saved: x_p and, per shard, this rank's fc1 output ``h_j`` (together 1/D of what one
@@ -114,38 +109,38 @@ class _TSPMLPFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, layer: TSPMLP, x, *own):
-        y = torch.zeros(x.shape[:-1] + (layer.config.hidden_size,), dtype=x.dtype, device=x.device)
-        hidden = [None] * layer.weight_group.size()
-        with comm.scope(f"{layer.comm_scope}/forward"):
-            for j, shard in ShardRing(own, layer.weight_group, overlap=layer.overlap_comm):
+    def forward(ctx, ring: MLPRing, x, *own):
+        y = torch.zeros(x.shape[:-1] + (ring.hidden_size,), dtype=x.dtype, device=x.device)
+        hidden = [None] * ring.weight_group.size()
+        with comm.scope(f"{ring.scope}/forward"):
+            for j, shard in ShardRing(own, ring.weight_group, overlap=ring.overlap):
                 h = F.linear(x, *shard[:-1])
-                y += F.linear(layer.activation(h), shard[-1])
+                y += F.linear(ring.activation(h), shard[-1])
                 hidden[j] = h
-        ctx.layer = layer
+        ctx.ring = ring
         ctx.n_shard = len(own)
         ctx.save_for_backward(x, *own, *hidden)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        layer: TSPMLP = ctx.layer
+        ring: MLPRing = ctx.ring
         x, *rest = ctx.saved_tensors
         own, hidden = rest[: ctx.n_shard], rest[ctx.n_shard :]
         dy2d = dy.reshape(-1, dy.size(-1))
         x2d = x.reshape(-1, x.size(-1))
         dx = torch.zeros_like(x)
-        ring = ShardRing(own, layer.weight_group, overlap=layer.overlap_comm)
-        with comm.scope(f"{layer.comm_scope}/backward"):
-            for j, shard in ring:
+        shards = ShardRing(own, ring.weight_group, overlap=ring.overlap)
+        with comm.scope(f"{ring.scope}/backward"):
+            for j, shard in shards:
                 h = hidden[j].detach().requires_grad_()
                 with torch.enable_grad():
-                    a = layer.activation(h)
+                    a = ring.activation(h)
                 a2d = a.detach().reshape(-1, a.size(-1))
                 d_w2 = dy2d.t() @ a2d
                 (d_h,) = torch.autograd.grad(a, h, (dy2d @ shard[-1]).view_as(a))
                 d_h2d = d_h.reshape(-1, d_h.size(-1))
                 dx += (d_h2d @ shard[0]).view_as(x)
-                d_fc1 = [d_h2d.t() @ x2d] + ([d_h2d.sum(0)] if len(shard) == 3 else [])
-                ring.add_grad([*d_fc1, d_w2])
-        return (None, dx, *ring.own_grads())
+                d_fc1 = [d_h2d.t() @ x2d] + ([d_h2d.sum(0)] if ring.has_bias else [])
+                shards.add_grad([*d_fc1, d_w2])
+        return (None, dx, *shards.own_grads())

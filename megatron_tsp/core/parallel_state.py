@@ -20,6 +20,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 from megatron.core.process_groups_config import ProcessGroupCollection
 
+from megatron_tsp.core.support import check_parallel_sizes
+
 _TSP_GROUP: Optional[dist.ProcessGroup] = None
 # Same ranks as _TSP_GROUP, a second communicator: weight-shard traffic (broadcasts, ring
 # sends, gradient reduces) must not queue behind the K/V all-gathers on the same stream.
@@ -37,43 +39,6 @@ class TSPProcessGroupCollection(ProcessGroupCollection):
 
     tsp: dist.ProcessGroup = dataclasses.field(init=False)
     tsp_weight: dist.ProcessGroup = dataclasses.field(init=False)
-
-
-def check_parallel_sizes(
-    world_size: int,
-    tsp_size: int = 1,
-    pipeline_model_parallel_size: int = 1,
-    tensor_model_parallel_size: int = 1,
-    context_parallel_size: int = 1,
-) -> None:
-    """Raise a one-line ``ValueError`` naming the flag and the fix; runs no collective."""
-    if tsp_size < 1:
-        raise ValueError(f"--tsp-size must be >= 1 (got {tsp_size})")
-    if pipeline_model_parallel_size < 1:
-        raise ValueError(
-            f"--pipeline-model-parallel-size must be >= 1 (got {pipeline_model_parallel_size})"
-        )
-    if tsp_size > 1 and tensor_model_parallel_size > 1:
-        raise ValueError(
-            f"--tsp-size {tsp_size} cannot be combined with --tensor-model-parallel-size "
-            f"{tensor_model_parallel_size}: TSP occupies the tensor-parallel slot; "
-            f"set --tensor-model-parallel-size 1"
-        )
-    if tsp_size > 1 and context_parallel_size > 1:
-        raise ValueError(
-            f"--tsp-size {tsp_size} cannot be combined with --context-parallel-size "
-            f"{context_parallel_size}: TSP already shards the sequence; "
-            f"set --context-parallel-size 1"
-        )
-    model_parallel = (
-        tsp_size * tensor_model_parallel_size * context_parallel_size * pipeline_model_parallel_size
-    )
-    if world_size % model_parallel != 0:
-        raise ValueError(
-            f"world size {world_size} is not divisible by --tsp-size x "
-            f"--pipeline-model-parallel-size (x tensor/context-parallel sizes) = {model_parallel}; "
-            f"launch a multiple of {model_parallel} ranks or change the sizes"
-        )
 
 
 def initialize_model_parallel(

@@ -6,6 +6,7 @@ a TSP checkpoint and a TP(+SP) checkpoint of the same model hold the same tensor
 
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
@@ -25,6 +26,20 @@ from megatron_tsp.core.mlp import TSPMLP
 from megatron_tsp.core.norm import TSPNorm
 
 
+class _ExpectedMLPWarning(logging.Filter):
+    """megatron-core 0.16.1's TransformerLayer warns "Unknown MLP type: <class 'ModuleSpec'>"
+    once per layer for every MLP class it does not special-case; the message cannot say which
+    class. TSPMLP is expected there (it takes its group from the TSP state, not from the
+    layer). The TSP specs install this filter, so only a process that builds TSP layers loses
+    that warning."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Unknown MLP type")
+
+
+_EXPECTED_MLP_WARNING = _ExpectedMLPWarning()
+
+
 def get_gpt_layer_tsp_spec(
     qk_layernorm: bool = False,
     overlap_comm: bool = True,
@@ -36,6 +51,7 @@ def get_gpt_layer_tsp_spec(
     ``core_attention`` stays in the spec (unused by TSP) because Megatron-LM's builder may
     write to ``spec.submodules.self_attention.submodules.core_attention``.
     """
+    logging.getLogger("megatron.core.transformer.transformer_layer").addFilter(_EXPECTED_MLP_WARNING)
     qk_norm = TSPNorm if qk_layernorm else IdentityOp
     return ModuleSpec(
         module=TransformerLayer,

@@ -11,16 +11,15 @@ from __future__ import annotations
 
 import torch
 
+from megatron_tsp.core.support import violations
+
 
 def check_seq_len(seq_len: int, tsp_size: int) -> int:
     """Return the chunk length; raise a one-line error when the sequence does not divide."""
     if tsp_size < 1:
         raise ValueError(f"--tsp-size must be >= 1 (got {tsp_size})")
-    if seq_len % (2 * tsp_size) != 0:
-        raise ValueError(
-            f"--seq-length {seq_len} is not divisible by 2 x --tsp-size = {2 * tsp_size} "
-            f"(zigzag layout); use a multiple of {2 * tsp_size}"
-        )
+    for message in violations(lambda rule: {"--seq-length": seq_len}[rule.flag], tsp_size):
+        raise ValueError(message)
     return seq_len // (2 * tsp_size)
 
 

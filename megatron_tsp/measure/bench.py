@@ -31,11 +31,10 @@ from megatron_tsp.env import run_record
 from megatron_tsp.errors import UserError
 from megatron_tsp.measure import counts, memory
 from megatron_tsp.run import config as cfg
-from megatron_tsp.run.modes import get_mode
+from megatron_tsp.run.modes import MODES, get_mode
 from megatron_tsp.run.build import initialize, stepper
 from megatron_tsp.run.config import at_seq_length
 
-BENCH_MODES = ("tsp", "tsp-no-overlap", "tp-sp", "tp-cp")
 LOSS_RTOL = 1e-4  # step-1 losses of a fresh fp32 model differ by reduction order only (~1e-7)
 
 
@@ -44,7 +43,7 @@ class ModesDisagree(UserError):
 
 
 def _args(values: Dict, mode: str, seq: int):
-    return get_mode(mode, BENCH_MODES).args(at_seq_length(values, seq))
+    return get_mode(mode).args(at_seq_length(values, seq))
 
 
 def _block(values: Dict, mode: str, seq: int, steps: int, warmup: int) -> Dict:
@@ -88,9 +87,9 @@ def check_same_loss(first_losses: Dict[str, List[float]], seq: int) -> None:
 def check_setup(values: Dict, seqs: List[int], modes: List[str], nproc: int) -> None:
     """Every (mode, sequence length) of a benchmark is valid on ``nproc`` ranks: one
     ConfigError line otherwise, before any rank starts."""
-    unknown = [m for m in modes if m not in BENCH_MODES]
+    unknown = [m for m in modes if m not in MODES]
     if unknown:
-        raise cfg.ConfigError(f"--modes: unknown mode(s) {', '.join(unknown)}; use {', '.join(BENCH_MODES)}")
+        raise cfg.ConfigError(f"--modes: unknown mode(s) {', '.join(unknown)}; use {', '.join(MODES)}")
     for seq in seqs:
         for name in modes:
             cfg.check_world_size(_args(values, name, seq), nproc, "--nproc")

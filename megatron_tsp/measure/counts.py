@@ -16,7 +16,9 @@ from typing import Callable, Dict, Iterator, Optional
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as mpu
 
+from megatron_tsp.core import parallel_state as tsp_state
 from megatron_tsp.core.comm import logical_bytes, traffic
 from megatron_tsp.run.compat import rebind_in_megatron
 
@@ -25,10 +27,6 @@ Records = Dict[str, Dict[str, Dict[str, Dict[str, int]]]]  # group -> phase -> p
 
 def group_names() -> Dict[int, str]:
     """id(group) -> name for megatron's (and TSP's) process groups."""
-    from megatron.core import parallel_state as mpu
-
-    from megatron_tsp.core import parallel_state as tsp_state
-
     getters = {
         "tp": lambda: mpu.get_tensor_model_parallel_group(),
         "cp": lambda: mpu.get_context_parallel_group(),

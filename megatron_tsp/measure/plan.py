@@ -38,11 +38,12 @@ CHOICES = {
     "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
 }
 LEAST_MEMORY = "full"
-# Choices that change nothing for a mode, with the reason (printed in the table).
-NOT_APPLICABLE = {
-    ("tsp", "selective core_attn"): "TSP attention has no megatron core_attention; it keeps only its "
-                                    "flash output and log-sum-exp already",
-}
+
+
+def not_applicable(mode: str) -> Dict[str, str]:
+    """The recompute choices that change nothing for ``mode``, with the reason (:class:`Mode`)."""
+    inert = get_mode(mode).inert_recompute
+    return {choice: inert[m] for choice, v in CHOICES.items() for m in v.get("recompute_modules", ()) if m in inert}
 
 
 def usable_gib(hw: perfmodel.Hardware) -> float:
@@ -71,7 +72,7 @@ class Planner:
         return self._points[key]
 
     def choices(self, mode: str) -> List[str]:
-        return [c for c in CHOICES if (mode, c) not in NOT_APPLICABLE]
+        return [c for c in CHOICES if c not in not_applicable(mode)]
 
     def longest(self, mode: str, start: int) -> Optional[int]:
         """The longest multiple of GRANULARITY that fits with the least-memory choice (None
@@ -115,7 +116,7 @@ def plan(config_path: str, hw: perfmodel.Hardware, nodes: int = 1, modes: List[s
     result = {"setup": run_record(config=config_path), "config": config_path, "hardware": hw.__dict__,
               "nodes": nodes, "scenario": scenario, "seq_length": seq, "usable_gib": planner.limit,
               "reserve": {"fraction": RESERVE_FRACTION, "gib": RESERVE_GIB}, "granularity": GRANULARITY,
-              "not_applicable": {f"{m} {c}": why for (m, c), why in NOT_APPLICABLE.items() if m in modes},
+              "not_applicable": {f"{m} {c}": why for m in modes for c, why in not_applicable(m).items()},
               "modes": {}}
     for mode in modes:
         longest = planner.longest(mode, seq)

@@ -92,9 +92,9 @@ def build(args, mode: Optional[Mode] = None, attention_backend: str = "auto", cl
           use_gloo_process_groups: bool = True, transformer_engine: bool = True):
     """(TransformerConfig, DDP model chunks, optimizer) of the run, as megatron-core builds them.
     ``mode`` defaults to the one ``args`` runs in (``tsp-no-overlap`` is the one it cannot
-    tell); ``transformer_engine``: see :meth:`Mode.layer_spec`."""
+    tell); ``transformer_engine``: see :meth:`Mode.spec`."""
     config = transformer_config(args)
-    spec = (mode or modes.of(args)).layer_spec(args, config, attention_backend, transformer_engine)
+    spec = (mode or modes.of(args)).spec(args, config, attention_backend, transformer_engine)
     model = step.build_model(
         config, spec, data.padded_vocab(args),
         args.max_position_embeddings,

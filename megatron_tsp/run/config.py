@@ -18,6 +18,7 @@ from typing import Any, Dict, Iterable, List, Optional
 
 import yaml
 
+from megatron_tsp.core.support import check_parallel_sizes, violations
 from megatron_tsp.errors import ConfigError
 
 
@@ -285,9 +286,8 @@ def check_world_size(ns: argparse.Namespace, world_size: int, source: str) -> No
 
 
 def check_combinations(ns: argparse.Namespace) -> None:
-    """Impossible or unsupported combinations, each naming its key."""
-    from megatron_tsp.core.parallel_state import check_parallel_sizes
-
+    """Impossible combinations, each naming its key; then what TSP does not support
+    (:mod:`megatron_tsp.core.support`)."""
     d = ns.tsp_size
     try:
         check_parallel_sizes(model_parallel_size(ns), d,
@@ -308,7 +308,6 @@ def check_combinations(ns: argparse.Namespace) -> None:
          "seq_length", "must be divisible by 2 x tsp_size (zigzag) and 2 x context_parallel_size"),
         (ns.position_embedding_type != "learned_absolute" or ns.max_position_embeddings >= ns.seq_length,
          "max_position_embeddings", "must be at least seq_length with learned_absolute positions"),
-        (d == 1 or ns.attention_dropout == 0, "attention_dropout", "must be 0 with tsp_size > 1"),
         (not (ns.bf16 and ns.fp16), "bf16", "cannot be combined with fp16"),
         (ns.mock_data or ns.data_path, "data_path", "is required unless mock_data is true"),
         (ns.recompute_granularity != "full" or ns.recompute_method in ("uniform", "block"),
@@ -324,6 +323,14 @@ def check_combinations(ns: argparse.Namespace) -> None:
     for ok, key, message in checks:
         if not ok:
             raise ConfigError(f"{_named(key)} {message} (got {getattr(ns, key)!r})")
+
+    def setting(rule):
+        if rule.key not in ARGUMENTS:
+            raise KeyError(rule.key)
+        return getattr(ns, rule.key)
+
+    for message in violations(setting, d, name=lambda rule: _named(rule.key)):
+        raise ConfigError(message)
 
 
 def to_megatron_flags(values: Dict[str, Any]) -> List[str]:

@@ -24,6 +24,8 @@ import traceback
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, List, Optional
 
+from megatron_tsp.errors import UserError
+
 DEFAULT_TIMEOUT_S = 300.0
 # After a rank's collective timed out, how long to wait for the other ranks' reports: the
 # ones that stay silent are the ones that stopped answering.
@@ -50,8 +52,6 @@ class PoolTimeout(TimeoutError):
 def _report(exc: BaseException) -> tuple:
     """(one line for a user, the traceback, whether it is a UserError) of a rank's exception:
     a UserError's own message, else the exception's type and the last line of its message."""
-    from megatron_tsp.errors import UserError
-
     text = str(exc).strip().splitlines()
     if isinstance(exc, UserError):
         return text[0] if text else type(exc).__name__, traceback.format_exc(), True

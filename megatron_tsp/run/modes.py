@@ -10,11 +10,17 @@ adding a mode is one entry there.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+from megatron.core.utils import get_batch_on_this_cp_rank
 
+from megatron_tsp.core.baselines import get_gpt_layer_baseline_spec
+from megatron_tsp.core.spec import get_gpt_block_tsp_spec
+from megatron_tsp.core.zigzag import zigzag_batch
+from megatron_tsp.env import transformer_engine_version
 from megatron_tsp.errors import ConfigError
 from megatron_tsp.run import config
 
@@ -26,7 +32,8 @@ class Mode:
     """``sizes(D, cp)``: the parallel config keys of the mode at model-parallel size D.
     ``hides``: groups whose traffic the mode's own layers overlap with compute;
     ``hides_with_tp_comm_overlap``: groups hidden only with TransformerEngine's
-    ``--tp-comm-overlap``; ``behind_attention``: groups that can hide behind attention only."""
+    ``--tp-comm-overlap``; ``behind_attention``: groups that can hide behind attention only;
+    ``inert_recompute``: megatron recompute modules that change nothing in this mode, and why."""
 
     name: str
     summary: str
@@ -36,6 +43,7 @@ class Mode:
     hides: Tuple[str, ...] = ()
     hides_with_tp_comm_overlap: Tuple[str, ...] = ()
     behind_attention: Tuple[str, ...] = ()
+    inert_recompute: Dict[str, str] = field(default_factory=dict)
 
     def values(self, values: Dict, cp: int = 2) -> Dict:
         """The config ``values`` with its model-parallel size re-laid out as this mode."""
@@ -52,22 +60,17 @@ class Mode:
         """The resolved arguments of ``values`` laid out as this mode."""
         return config.resolve(self.values(values, cp))
 
-    def layer_spec(self, args, config, attention_backend: str = "auto", transformer_engine: bool = True):
-        """TSP block spec (its final norm accepts sequence parallelism where megatron's torch
-        norm would not); else megatron's TransformerEngine spec where TE runs and
-        ``transformer_engine`` allows it, else the local spec with the attention op TSP uses
-        (baselines.py). Comparisons pass ``transformer_engine=False`` so that every mode runs
-        the same attention kernels."""
-        from megatron_tsp.core.baselines import get_gpt_layer_baseline_spec
-        from megatron_tsp.core.spec import get_gpt_block_tsp_spec
-        from megatron_tsp.env import transformer_engine_version
-
+    def spec(self, args, transformer_config, attention_backend: str = "auto", transformer_engine: bool = True):
+        """What GPTModel takes as ``transformer_layer_spec``: the TSP block spec (its final
+        norm accepts sequence parallelism where megatron's torch norm would not); else
+        megatron's TransformerEngine layer spec where TE runs and ``transformer_engine``
+        allows it, else the local layer spec with the attention op TSP uses (baselines.py).
+        Comparisons pass ``transformer_engine=False`` so that every mode runs the same
+        attention kernels."""
         if self.tsp_layers:
-            return get_gpt_block_tsp_spec(config, qk_layernorm=args.qk_layernorm,
+            return get_gpt_block_tsp_spec(transformer_config, qk_layernorm=args.qk_layernorm,
                                           attention_backend=attention_backend, overlap_comm=self.overlap_comm)
         if transformer_engine and torch.cuda.is_available() and transformer_engine_version() is not None:
-            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
-
             return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_layernorm)
         return get_gpt_layer_baseline_spec(qk_layernorm=args.qk_layernorm, normalization=args.normalization,
                                            attention_backend=attention_backend)
@@ -75,12 +78,8 @@ class Mode:
     def batch_transform(self, args) -> Optional[Callable]:
         """Zigzag order for TSP; megatron's context-parallel slice for CP; nothing otherwise."""
         if self.tsp_layers and args.tsp_size > 1:
-            from megatron_tsp.core.zigzag import zigzag_batch
-
             return lambda b: zigzag_batch(b, args.tsp_size)
         if args.context_parallel_size > 1:
-            from megatron.core.utils import get_batch_on_this_cp_rank
-
             return get_batch_on_this_cp_rank
         return None
 
@@ -96,29 +95,29 @@ def _tp_cp(d: int, cp: int) -> Dict:
     return dict(tensor_model_parallel_size=d // cp, context_parallel_size=cp, sequence_parallel=d // cp > 1)
 
 
-_TSP = dict(tsp_layers=True, hides=("tsp_weight", "tp"), behind_attention=("tp",))
+_TSP = dict(tsp_layers=True, hides=("tsp_weight", "tp"), behind_attention=("tp",),
+            inert_recompute={"core_attn": "TSP attention has no megatron core_attention; it keeps only its "
+                                          "flash output and log-sum-exp already"})
 MODES: Dict[str, Mode] = {m.name: m for m in (
     Mode("tsp", "TSP D (weights and tokens on one axis)", lambda d, cp: dict(tsp_size=d), **_TSP),
-    Mode("tsp-no-overlap", "TSP D with its communication not overlapped (benchmark only)",
+    Mode("tsp-no-overlap", "TSP D with its communication not overlapped (what the overlap hides)",
          lambda d, cp: dict(tsp_size=d), **dict(_TSP, overlap_comm=False, hides=(), behind_attention=())),
     Mode("tp", "TP D", lambda d, cp: dict(tensor_model_parallel_size=d), hides_with_tp_comm_overlap=("tp",)),
-    Mode("tp-sp", "TP D + sequence parallelism", lambda d, cp: dict(tensor_model_parallel_size=d, sequence_parallel=True),
-         hides_with_tp_comm_overlap=("tp",)),
+    Mode("tp-sp", "TP D + sequence parallelism",
+         lambda d, cp: dict(tensor_model_parallel_size=d, sequence_parallel=True), hides_with_tp_comm_overlap=("tp",)),
     Mode("tp-cp", "TP D/cp x CP cp (TP+SP when D/cp > 1)", _tp_cp, hides=("cp",),
          hides_with_tp_comm_overlap=("tp",), behind_attention=("cp",)),
 )}
-# the modes that train a model of their own; tsp-no-overlap is tsp, timed without its overlap
-LAYOUTS = ("tsp", "tp", "tp-sp", "tp-cp")
 
 
-def get_mode(name: str, allowed=tuple(MODES)) -> Mode:
-    if name not in allowed:
-        raise ConfigError(f"unknown mode {name!r}; use one of {', '.join(allowed)}")
+def get_mode(name: str) -> Mode:
+    if name not in MODES:
+        raise ConfigError(f"unknown mode {name!r}; use one of {', '.join(MODES)}")
     return MODES[name]
 
 
 def of(args) -> Mode:
-    """The mode a resolved config runs in."""
+    """The mode a resolved config runs in (``megatron-tsp train``)."""
     if args.tsp_size > 1:
         return MODES["tsp"]
     if args.context_parallel_size > 1:

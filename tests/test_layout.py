@@ -1,0 +1,87 @@
+"""The package layout is the design: core (the algorithm) <- run (a job) <- measure (tools),
+with the command line on top. Checked on the source, imports inside functions included."""
+
+import ast
+import os
+
+import pytest
+
+from conftest import ROOT
+
+PACKAGE = os.path.join(ROOT, "megatron_tsp")
+# what each part may import from megatron_tsp (besides itself)
+ALLOWED = {
+    "core": {"env", "errors"},
+    "run": {"core", "env", "errors"},
+    "measure": {"core", "run", "env", "errors"},
+    "env": set(),
+    "errors": set(),
+    "megatron_lm": {"core"},
+    "cli": {"core", "run", "measure", "env", "errors"},
+    "__init__": set(),  # names only, imported lazily by string
+}
+
+
+def _modules():
+    for folder, _, files in os.walk(PACKAGE):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                dotted = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
+                yield dotted, path
+
+
+def _imports(path):
+    """(imported module, names taken from it, line) for every megatron_tsp import."""
+    tree = ast.parse(open(path, encoding="utf-8").read())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "megatron_tsp":
+            for alias in node.names:
+                target = f"{node.module}.{alias.name}"
+                is_module = alias.name in {m.split(".")[-1] for m, _ in _modules()} and not alias.name.startswith("_")
+                yield (target if is_module else node.module), alias.name, node.lineno
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "megatron_tsp":
+                    yield alias.name, None, node.lineno
+
+
+def _part(dotted):
+    parts = dotted.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+MODULES = dict(_modules())
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_imports_follow_the_layers(module):
+    mine = _part(module)
+    bad = []
+    for target, _, line in _imports(MODULES[module]):
+        other = _part(target)
+        if other != mine and other not in ALLOWED[mine]:
+            bad.append(f"{module}:{line} imports {target}")
+    assert not bad, bad
+
+
+def test_no_module_takes_another_modules_private_names():
+    bad = []
+    for module, path in MODULES.items():
+        for target, name, line in _imports(path):
+            if name and name.startswith("_") and target != module:
+                bad.append(f"{module}:{line} imports {target}.{name}")
+        tree = ast.parse(open(path, encoding="utf-8").read())
+        aliases = {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+                   and n.module and n.module.startswith("megatron_tsp") for a in n.names}
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                    and isinstance(node.value, ast.Name) and node.value.id in aliases):
+                bad.append(f"{module}:{node.lineno} uses {node.value.id}.{node.attr}")
+    assert not bad, bad
+
+
+def test_measure_is_imported_by_the_command_line_only():
+    users = {module for module, path in MODULES.items() if _part(module) != "measure"
+             for target, _, _ in _imports(path) if _part(target) == "measure"}
+    assert users <= {"megatron_tsp.cli"}, users
