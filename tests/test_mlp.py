@@ -134,3 +134,35 @@ def test_indivisible_ffn_is_a_clear_error():
     _, cfg = configs(4, ffn_hidden_size=66)
     with pytest.raises(ValueError, match="--ffn-hidden-size 66 is not divisible by --tsp-size 4"):
         check_mlp_config(cfg, 4, 66)
+
+
+def _ring_without_modules(tsp_size):
+    """The ring schedule on plain tensors: no megatron module, no TSP state."""
+    import torch.distributed as dist
+
+    from megatron_tsp.core.mlp import MLPRing, RotateMLPShards
+
+    group = dist.new_group(list(range(tsp_size)))
+    rank = group.rank()
+    g = torch.Generator().manual_seed(3)
+    w1, b1 = torch.randn(FFN, HIDDEN, generator=g), torch.randn(FFN, generator=g)
+    w2 = torch.randn(HIDDEN, FFN, generator=g)
+    x_all, dy_all = torch.randn(2, tsp_size * SEQ, HIDDEN, generator=g).unbind(0)
+    ref = [t.clone().requires_grad_() for t in (x_all, w1, b1, w2)]
+    (F.gelu(ref[0] @ ref[1].t() + ref[2]) @ ref[3].t()).backward(dy_all)
+    rows = slice(rank * SEQ, (rank + 1) * SEQ)
+    x = x_all[rows].clone().requires_grad_()
+    own = [t.chunk(tsp_size, dim)[rank].clone().requires_grad_() for t, dim in ((w1, 0), (b1, 0), (w2, 1))]
+    ring = MLPRing(group, F.gelu, HIDDEN, has_bias=True)
+    y = RotateMLPShards.apply(ring, x, *own)
+    y.backward(dy_all[rows])
+    expected_y = (F.gelu(x_all @ w1.t() + b1) @ w2.t())[rows]
+    expected_grads = [ref[0].grad[rows]] + [r.grad.chunk(tsp_size, dim)[rank]
+                                             for r, dim in ((ref[1], 0), (ref[2], 0), (ref[3], 1))]
+    return [rel_err(y, expected_y)] + [rel_err(a.grad, e) for a, e in zip([x, *own], expected_grads)]
+
+
+def test_ring_schedule_runs_without_modules(ranks):
+    """The schedule takes its group, activation and bias flag as arguments (no module)."""
+    for errors in ranks(2, _ring_without_modules, 2):
+        assert max(errors) < 1e-5, errors
