@@ -23,27 +23,28 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Rule:
-    """``flag``: the Megatron-LM flag; its argument name (``--num-experts`` ->
-    ``num_experts``) is the key of configs and of Megatron-LM's args. ``attr``: the
-    ``TransformerConfig`` field, when it differs from the key (None: not on the config).
-    ``ok(value, D)``: TSP at size D runs with this value. ``divisor``: a size rule (the value
-    must be a multiple of ``divisor`` x D). ``layer``: which TSP layers the rule concerns
-    (``all``, ``attention``, ``mlp``; ``launch``: only the command line has it)."""
+    """One setting TSP restricts, of one of three kinds: a *size* the TSP size must divide
+    (``divisor`` x D), a *value* TSP needs (``ok(value, D)``, ``must`` says it in words), or a
+    *feature* TSP does not implement (any use refused). ``flag``: the Megatron-LM flag; its
+    argument name (``--num-experts`` -> ``num_experts``) is the key of configs and of
+    Megatron-LM's args. ``attr``: the ``TransformerConfig`` field when it differs from the
+    key (None: not on the config). ``layer``: the TSP layers it concerns (``all``,
+    ``attention``, ``mlp``; ``launch``: only the command line has it). ``type``: how a
+    command-line value reads."""
 
     flag: str
-    ok: Callable[[Any, int], bool]
     why: str
     fix: str
-    attr: Optional[str] = ""
     divisor: int = 0
+    ok: Optional[Callable[[Any, int], bool]] = None
+    must: str = ""
+    attr: Optional[str] = ""
     layer: str = "all"
-    type: Callable[[str], Any] = int  # how a command-line value reads
-    must: str = ""  # what a value rule requires, in words
+    type: Callable[[str], Any] = int
 
     @property
     def feature(self) -> bool:
-        """A feature TSP does not implement: any use of the flag is refused."""
-        return self.ok is _off
+        return not self.divisor and self.ok is None
 
     @property
     def key(self) -> str:
@@ -51,6 +52,13 @@ class Rule:
 
     def config_attr(self) -> Optional[str]:
         return self.key if self.attr == "" else self.attr
+
+    def allows(self, value: Any, tsp_size: int) -> bool:
+        if self.divisor:
+            return value is None or value % (self.divisor * tsp_size) == 0
+        if self.feature:
+            return not value
+        return self.ok(value, tsp_size)
 
     def message(self, value: Any, tsp_size: int, name: Optional[str] = None) -> str:
         """One line: the setting (``name``, default the flag), what TSP at this size needs,
@@ -66,51 +74,51 @@ class Rule:
         return f"{name} must be {self.must} with --tsp-size {tsp_size} (got {got}): {self.why}; {self.fix}"
 
 
-def _multiple(divisor: int) -> Callable[[Any, int], bool]:
-    return lambda value, d: value is None or value % (divisor * d) == 0
+def _size(flag: str, divisor: int, why: str, fix: str, **kw) -> Rule:
+    return Rule(flag, why, fix, divisor=divisor, **kw)
 
 
-def _off(value: Any, d: int) -> bool:
-    return not value
+def _value(flag: str, must: str, ok: Callable[[Any, int], bool], why: str, **kw) -> Rule:
+    return Rule(flag, why, f"set {flag}" + (f" {must}" if must != "on" else ""), ok=ok, must=must, **kw)
+
+
+def _feature(flag: str, why: str, fix: str = "turn it off", **kw) -> Rule:
+    return Rule(flag, why, fix, **kw)
 
 
 RULES: List[Rule] = [
     # the parallel layout
-    Rule("--tensor-model-parallel-size", lambda v, d: v in (None, 1), "TSP occupies the tensor-parallel slot",
-         "set --tensor-model-parallel-size 1", attr=None, must="1"),
-    Rule("--context-parallel-size", lambda v, d: v in (None, 1), "TSP already shards the sequence",
-         "set --context-parallel-size 1", must="1"),
-    Rule("--sequence-parallel", lambda v, d: bool(v), "TSP shards the sequence", "set --sequence-parallel",
-         must="on"),
-    Rule("--attention-dropout", lambda v, d: not v, "TSP's attention kernel has no dropout",
-         "set --attention-dropout 0", layer="attention", type=float, must="0"),
+    _value("--tensor-model-parallel-size", "1", lambda v, d: v in (None, 1), "TSP occupies the tensor-parallel slot",
+           attr=None),
+    _value("--context-parallel-size", "1", lambda v, d: v in (None, 1), "TSP already shards the sequence"),
+    _value("--sequence-parallel", "on", lambda v, d: bool(v), "TSP shards the sequence"),
+    _value("--attention-dropout", "0", lambda v, d: not v, "TSP's attention kernel has no dropout",
+           layer="attention", type=float),
     # sizes
-    Rule("--num-attention-heads", _multiple(1), "every rank computes whole heads",
-         "choose a TSP size that divides the head count", divisor=1, layer="attention"),
-    Rule("--num-query-groups", _multiple(1), "TSP gives every rank whole KV heads",
-         "choose a TSP size that divides the KV head count", divisor=1, layer="attention"),
-    Rule("--ffn-hidden-size", _multiple(1), "every rank holds 1/D of the MLP",
-         "choose an ffn size that is a multiple of the TSP size", divisor=1, layer="mlp"),
-    Rule("--seq-length", _multiple(2), "the zigzag layout gives every rank two chunks",
-         "use a multiple of 2 x the TSP size", attr=None, divisor=2),
+    _size("--num-attention-heads", 1, "every rank computes whole heads",
+          "choose a TSP size that divides the head count", layer="attention"),
+    _size("--num-query-groups", 1, "TSP gives every rank whole KV heads",
+          "choose a TSP size that divides the KV head count", layer="attention"),
+    _size("--ffn-hidden-size", 1, "every rank holds 1/D of the MLP",
+          "choose an ffn size that is a multiple of the TSP size", layer="mlp"),
+    _size("--seq-length", 2, "the zigzag layout gives every rank two chunks", "use a multiple of 2 x the TSP size",
+          attr=None),
     # features TSP does not implement
-    Rule("--num-experts", _off, "mixture-of-experts is not implemented", "turn it off", attr="num_moe_experts"),
-    Rule("--multi-latent-attention", _off, "multi-latent attention is not implemented", "turn it off"),
-    Rule("--mtp-num-layers", _off, "multi-token prediction is not implemented", "turn it off"),
-    Rule("--fp8-format", _off, "fp8 is not implemented", "turn it off", attr="fp8"),
-    Rule("--fp4-format", _off, "fp4 is not implemented", "turn it off", attr="fp4"),
-    Rule("--tp-comm-overlap", _off, "TransformerEngine's TP overlap does not apply to TSP, which overlaps its own",
-         "turn it off"),
-    Rule("--attention-output-gate", _off, "gated attention output is not implemented", "turn it off",
-         layer="attention"),
-    Rule("--window-size", _off, "sliding-window attention is not implemented", "turn it off", layer="attention"),
-    Rule("--mrope-section", _off, "multimodal RoPE is not implemented", "turn it off", layer="attention"),
-    Rule("--use-te-activation-func", _off, "TSP's MLP applies the activation itself", "turn it off", layer="mlp"),
+    _feature("--num-experts", "mixture-of-experts is not implemented", attr="num_moe_experts"),
+    _feature("--multi-latent-attention", "multi-latent attention is not implemented"),
+    _feature("--mtp-num-layers", "multi-token prediction is not implemented"),
+    _feature("--fp8-format", "fp8 is not implemented", attr="fp8"),
+    _feature("--fp4-format", "fp4 is not implemented", attr="fp4"),
+    _feature("--tp-comm-overlap", "TransformerEngine's TP overlap does not apply to TSP, which overlaps its own"),
+    _feature("--attention-output-gate", "gated attention output is not implemented", layer="attention"),
+    _feature("--window-size", "sliding-window attention is not implemented", layer="attention"),
+    _feature("--mrope-section", "multimodal RoPE is not implemented", layer="attention"),
+    _feature("--use-te-activation-func", "TSP's MLP applies the activation itself", layer="mlp"),
     # Megatron-LM command line only
-    Rule("--spec", _off, "the TSP layer spec is chosen by --tsp-size", "drop --spec", attr=None, layer="launch"),
-    Rule("--use-legacy-models", _off, "TSP needs megatron-core models", "drop --use-legacy-models", attr=None,
-         layer="launch"),
-    Rule("--sft", _off, "packed (THD) sequences are not implemented", "drop --sft", attr=None, layer="launch"),
+    _feature("--spec", "the TSP layer spec is chosen by --tsp-size", "drop --spec", attr=None, layer="launch"),
+    _feature("--use-legacy-models", "TSP needs megatron-core models", "drop --use-legacy-models", attr=None,
+             layer="launch"),
+    _feature("--sft", "packed (THD) sequences are not implemented", "drop --sft", attr=None, layer="launch"),
 ]
 
 
@@ -128,7 +136,7 @@ def violations(get: Callable[[Rule], Any], tsp_size: int, layers=("all", "attent
             value = get(rule)
         except KeyError:
             continue
-        if not rule.ok(value, tsp_size):
+        if not rule.allows(value, tsp_size):
             yield rule.message(value, tsp_size, name(rule))
 
 
