@@ -193,8 +193,10 @@ def test_ctrl_c_exits_130_with_one_line_and_leaves_no_process(tmp_path):
     cmd = [sys.executable, "-m", "megatron_tsp.cli", "train", os.path.join(ROOT, "configs", "tiny-cpu.yaml"),
            "--num-layers", "1", "--log-interval", "1", "--data-path", str(tmp_path / "data" / "tsp-tiny-corpus"),
            "--log-json", str(tmp_path / "log.jsonl")]
+    # a terminal's foreground job takes SIGINT even where this test runs as a background job
+    # (which a shell starts with SIGINT ignored, and Python then leaves it ignored)
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         for line in proc.stdout:  # wait until the ranks train
             if "iteration" in line:

@@ -1,4 +1,5 @@
-"""The training loop of ``megatron-tsp train``: GPT pretraining on megatron-core alone, TSP or a TP/TP+SP baseline.
+"""The training loop of ``megatron-tsp train``: GPT pretraining on megatron-core alone, TSP
+or a TP / TP+SP / TP x CP baseline (the mode the config runs in, :func:`modes.of`).
 
 Real pieces throughout: megatron-core GPTModel with the TSP spec (``tsp_size > 1``) or the
 stock spec, DDP, the distributed optimizer, ``OptimizerParamScheduler``, gradient clipping,
