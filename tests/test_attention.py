@@ -13,8 +13,8 @@ from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
 import megatron_tsp
 from megatron_tsp.core import comm
-from megatron_tsp.measure import volumes
 from megatron_tsp.core.attention import TSPSelfAttention
+from megatron_tsp.measure import volumes
 from reference import (SavedBytes, assert_within, configs, init_tsp, local_rows, rel_err,
                        replicated_bias_error, rotary_table, shard_of, solo_pg_collection, summed)
 

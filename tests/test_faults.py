@@ -19,8 +19,8 @@ import psutil
 import pytest
 import torch.distributed as dist
 
-from megatron_tsp.run import checkpointing, config, step as training
 from megatron_tsp.errors import CheckpointError, TrainingStopped
+from megatron_tsp.run import checkpointing, config, step as training
 from megatron_tsp.run.launch import RankError, WorkerPool
 from conftest import ROOT
 

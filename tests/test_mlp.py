@@ -10,8 +10,8 @@ from megatron.core.transformer.mlp import MLP, MLPSubmodules
 
 import megatron_tsp
 from megatron_tsp.core import comm
-from megatron_tsp.measure import volumes
 from megatron_tsp.core.mlp import TSPMLP
+from megatron_tsp.measure import volumes
 from reference import (SavedBytes, assert_within, configs, init_tsp, local_rows, rel_err,
                        replicated_bias_error, shard_of, solo_pg_collection)
 

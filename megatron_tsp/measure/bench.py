@@ -31,9 +31,9 @@ from megatron_tsp.env import run_record
 from megatron_tsp.errors import UserError
 from megatron_tsp.measure import counts, memory
 from megatron_tsp.run import config as cfg
-from megatron_tsp.run.modes import MODES, get_mode
 from megatron_tsp.run.build import initialize, stepper
 from megatron_tsp.run.config import at_seq_length
+from megatron_tsp.run.modes import MODES, get_mode
 
 LOSS_RTOL = 1e-4  # step-1 losses of a fresh fp32 model differ by reduction order only (~1e-7)
 

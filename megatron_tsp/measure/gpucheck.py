@@ -23,8 +23,8 @@ from megatron_tsp.core.parallel_state import destroy_model_parallel
 from megatron_tsp.env import run_record
 from megatron_tsp.measure import memory
 from megatron_tsp.run import config as cfg
-from megatron_tsp.run.modes import get_mode
 from megatron_tsp.run.build import initialize, stepper
+from megatron_tsp.run.modes import get_mode
 
 
 def check_mode(values: Dict, mode: str, steps: int) -> Dict:

@@ -35,9 +35,9 @@ from megatron_tsp.measure import counts
 from megatron_tsp.measure.tracker import CATEGORIES, GIB, SavedTensors, StorageTracker
 from megatron_tsp.run import config as cfg
 from megatron_tsp.run import step
-from megatron_tsp.run.modes import Mode, get_mode
 from megatron_tsp.run.build import build, initialize
 from megatron_tsp.run.data import make_batch
+from megatron_tsp.run.modes import Mode, get_mode
 
 
 def activation_terms(args, mode: str) -> Dict[str, Dict[str, float]]:

@@ -39,8 +39,8 @@ from megatron_tsp.env import run_record
 from megatron_tsp.measure import memory
 from megatron_tsp.run import config as cfg
 from megatron_tsp.run import flops as flops_formula
-from megatron_tsp.run.modes import get_mode
 from megatron_tsp.run.data import padded_vocab
+from megatron_tsp.run.modes import get_mode
 
 INTRA_NODE_GROUPS = ("tp", "cp", "tsp_weight")
 SCENARIOS = ("overlap", "no_tp_overlap", "no_overlap")

@@ -25,8 +25,8 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
-from megatron_tsp.run.compat import enable_torch_adam_checkpoints
 from megatron_tsp.errors import CheckpointError
+from megatron_tsp.run.compat import enable_torch_adam_checkpoints
 from megatron_tsp.run.step import unwrap
 
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}

@@ -14,9 +14,9 @@ import os
 import tempfile
 from typing import Optional
 
-from megatron_tsp.run import checkpointing, config, data
 from megatron_tsp.env import transformer_engine_version
 from megatron_tsp.errors import CheckpointError, ConfigError
+from megatron_tsp.run import checkpointing, config, data
 
 
 def check_run(args, world_size: int) -> Optional[int]:
