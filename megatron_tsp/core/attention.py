@@ -145,7 +145,7 @@ class TSPSelfAttention(SelfAttention):
             kv_group=self.tsp_group, weight_group=self.weight_group, split_heads=self.split_heads,
             chunk_ids=self.chunk_ids, softmax_scale=self.softmax_scale, backend=self.attention_backend,
             hidden_size=self.config.hidden_size, head_dim=self.hidden_size_per_attention_head,
-            has_bias=len(shard) == 3, overlap=self.overlap_comm, scope=self.comm_scope)
+            has_bias=self.linear_qkv.bias is not None, overlap=self.overlap_comm, scope=self.comm_scope)
         output = StreamAttentionHeads.apply(stream, freqs, hidden_states, *shard, *self.replicated_parameters())
         return output, self.linear_proj.bias
 

@@ -81,10 +81,9 @@ class TSPMLP(MLP):
                 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         if per_token_scale is not None:
             raise NotImplementedError("TSPMLP: per_token_scale (MoE) is not supported")
-        shard = self.shard_tensors()
-        ring = MLPRing(self.weight_group, self.activation, self.config.hidden_size, has_bias=len(shard) == 3,
-                       overlap=self.overlap_comm, scope=self.comm_scope)
-        return RotateMLPShards.apply(ring, hidden_states, *shard), self.linear_fc2.bias
+        ring = MLPRing(self.weight_group, self.activation, self.config.hidden_size,
+                       has_bias=self.linear_fc1.bias is not None, overlap=self.overlap_comm, scope=self.comm_scope)
+        return RotateMLPShards.apply(ring, hidden_states, *self.shard_tensors()), self.linear_fc2.bias
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,6 @@ class Mode:
     ``inert_recompute``: megatron recompute modules that change nothing in this mode, and why."""
 
     name: str
-    summary: str
     sizes: Callable[[int, int], Dict]
     tsp_layers: bool = False
     overlap_comm: bool = True
@@ -99,14 +98,17 @@ _TSP = dict(tsp_layers=True, hides=("tsp_weight", "tp"), behind_attention=("tp",
             inert_recompute={"core_attn": "TSP attention has no megatron core_attention; it keeps only its "
                                           "flash output and log-sum-exp already"})
 MODES: Dict[str, Mode] = {m.name: m for m in (
-    Mode("tsp", "TSP D (weights and tokens on one axis)", lambda d, cp: dict(tsp_size=d), **_TSP),
-    Mode("tsp-no-overlap", "TSP D with its communication not overlapped (what the overlap hides)",
-         lambda d, cp: dict(tsp_size=d), **dict(_TSP, overlap_comm=False, hides=(), behind_attention=())),
-    Mode("tp", "TP D", lambda d, cp: dict(tensor_model_parallel_size=d), hides_with_tp_comm_overlap=("tp",)),
-    Mode("tp-sp", "TP D + sequence parallelism",
-         lambda d, cp: dict(tensor_model_parallel_size=d, sequence_parallel=True), hides_with_tp_comm_overlap=("tp",)),
-    Mode("tp-cp", "TP D/cp x CP cp (TP+SP when D/cp > 1)", _tp_cp, hides=("cp",),
-         hides_with_tp_comm_overlap=("tp",), behind_attention=("cp",)),
+    # TSP D: weights and tokens sharded on one axis
+    Mode("tsp", lambda d, cp: dict(tsp_size=d), **_TSP),
+    # TSP D with its communication not overlapped: what the overlap hides
+    Mode("tsp-no-overlap", lambda d, cp: dict(tsp_size=d),
+         **dict(_TSP, overlap_comm=False, hides=(), behind_attention=())),
+    # TP D, TP D + sequence parallelism
+    Mode("tp", lambda d, cp: dict(tensor_model_parallel_size=d), hides_with_tp_comm_overlap=("tp",)),
+    Mode("tp-sp", lambda d, cp: dict(tensor_model_parallel_size=d, sequence_parallel=True),
+         hides_with_tp_comm_overlap=("tp",)),
+    # TP D/cp x CP cp (TP+SP when D/cp > 1)
+    Mode("tp-cp", _tp_cp, hides=("cp",), hides_with_tp_comm_overlap=("tp",), behind_attention=("cp",)),
 )}
 
 
