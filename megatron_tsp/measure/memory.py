@@ -28,6 +28,7 @@ from typing import Dict, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from megatron_tsp.core.parallel_state import destroy_model_parallel
 from megatron_tsp.env import run_record
@@ -223,9 +224,6 @@ def _step(args, mode: Mode, tracker, attention_backend, fake: bool = True,
     """Build model and optimizer and run one step under ``tracker``; with ``fake``, under
     FakeTensorMode (else for real, to check the planner against); ``saved_log`` records what
     autograd keeps."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-
     valueless = (_valueless(), FakeTensorMode(allow_non_fake_inputs=True)) if fake else ()
     with contextlib.ExitStack() as stack:
         for ctx in valueless + (tracker,):
@@ -247,6 +245,7 @@ def _step(args, mode: Mode, tracker, attention_backend, fake: bool = True,
         tracker.reset_peak()
 
         batch = make_batch(args.micro_batch_size, args.seq_length, args.vocab_size)  # values unused when fake
+
         def pack(t):
             tracker.tag([t], "activations", only_from=("temporaries", "communication"))
             if saved_log is not None:
