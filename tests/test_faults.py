@@ -171,6 +171,31 @@ def _damaged_checkpoint(path, damage):
     return None
 
 
+def test_a_kill_while_writing_the_tracker_leaves_the_previous_one(tmp_path, monkeypatch):
+    """The tracker is the last thing a save writes: a kill in the middle of writing it must not
+    leave an empty file (which no run could resume from). Simulated by a write that never
+    happens, the way SIGKILL before the buffered write reaches the file looks on disk."""
+    os.makedirs(checkpointing.iteration_dir(str(tmp_path), 4))
+    checkpointing.write_tracker(str(tmp_path), 4)
+
+    class Killed(BaseException):
+        pass
+
+    def killed_open(path, mode="r", **kwargs):
+        f = open(path, mode, **kwargs)
+        if "w" in mode:
+            def write(text):
+                raise Killed
+            f.write = write
+        return f
+
+    monkeypatch.setattr(checkpointing, "open", killed_open, raising=False)
+    with pytest.raises(Killed):
+        checkpointing.write_tracker(str(tmp_path), 8)
+    monkeypatch.undo()
+    assert checkpointing.latest(str(tmp_path)) == (checkpointing.iteration_dir(str(tmp_path), 4), 4)
+
+
 @pytest.mark.parametrize("damage,message", [
     ("none", None),
     ("overwritten", "__1_0.distcp: contents differ from the saved checksum (damaged)"),

@@ -85,10 +85,20 @@ def save_iteration(root: str, iteration: int, *args, **kwargs) -> str:
     path = iteration_dir(root, iteration)
     save(path, *args, **kwargs)
     if dist.get_rank() == 0:
-        with open(os.path.join(root, TRACKER), "w", encoding="utf-8") as f:
-            f.write(str(iteration))
+        write_tracker(root, iteration)
     dist.barrier()
     return path
+
+
+def write_tracker(root: str, iteration: int) -> None:
+    """Point the tracker file at ``iteration``, atomically: a run killed while writing it
+    leaves the previous tracker (or none), never an empty or partial one."""
+    tmp = os.path.join(root, TRACKER + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(str(iteration))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(root, TRACKER))
 
 
 def save(path: str, model: List[torch.nn.Module], optimizer=None,
