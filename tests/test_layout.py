@@ -37,9 +37,8 @@ def _imports(path):
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "megatron_tsp":
             for alias in node.names:
-                target = f"{node.module}.{alias.name}"
-                is_module = alias.name in {m.split(".")[-1] for m, _ in _modules()} and not alias.name.startswith("_")
-                yield (target if is_module else node.module), alias.name, node.lineno
+                target = f"{node.module}.{alias.name}"  # a module, or a name in node.module
+                yield (target if target in MODULES else node.module), alias.name, node.lineno
         elif isinstance(node, ast.Import):
             for alias in node.names:
                 if alias.name.split(".")[0] == "megatron_tsp":
