@@ -38,7 +38,7 @@ from megatron_tsp.run import config as cfg
 from megatron_tsp.run import step
 from megatron_tsp.run.build import build, initialize
 from megatron_tsp.run.data import make_batch
-from megatron_tsp.run.modes import Mode, get_mode
+from megatron_tsp.run.modes import Mode, check_layouts, get_mode
 
 
 def activation_terms(args, mode: str) -> Dict[str, Dict[str, float]]:
@@ -269,9 +269,7 @@ def plan_modes(config_path: str, modes: List[str], world_size: Optional[int] = N
                overrides: Optional[Dict] = None, per_layer: bool = False) -> Dict:
     values = cfg.load_config(config_path)
     values.update(overrides or {})
-    for name in modes:  # every mode's arguments are checked before the first (slow) plan
-        args = get_mode(name).args(values, cp)
-        cfg.check_world_size(args, world_size or cfg.model_parallel_size(args), "--world-size")
+    check_layouts(values, modes, world_size, cp, "--world-size")  # before the first (slow) plan
     results = {name: plan(copy.deepcopy(values), name, world_size, cp, per_layer=per_layer) for name in modes}
     if per_layer:
         for name, r in results.items():

@@ -40,7 +40,7 @@ from megatron_tsp.measure import memory
 from megatron_tsp.run import config as cfg
 from megatron_tsp.run import flops as flops_formula
 from megatron_tsp.run.data import padded_vocab
-from megatron_tsp.run.modes import get_mode
+from megatron_tsp.run.modes import check_layouts, get_mode
 
 INTRA_NODE_GROUPS = ("tp", "cp", "tsp_weight")
 SCENARIOS = ("overlap", "no_tp_overlap", "no_overlap")
@@ -164,8 +164,7 @@ def predict(config_path: str, hw: Hardware, nodes: int = 1, modes: List[str] = (
     results: Dict = {"setup": run_record(config=config_path), "config": config_path,
                      "hardware": hw.__dict__, "nodes": nodes, "modes": {}}
     base_seq = cfg.resolve(values).seq_length
-    for mode in modes:  # every mode's arguments are checked before the first (slow) count
-        cfg.check_world_size(get_mode(mode).args(values, cp), world, "--nodes x gpus_per_node")
+    check_layouts(values, modes, world, cp, "--nodes x gpus_per_node")  # before the first (slow) count
     for mode in modes:
         results["modes"][mode] = evaluate(values, mode, hw, world, cp)
     if seq_lengths:

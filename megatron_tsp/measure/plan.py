@@ -24,7 +24,7 @@ from typing import Dict, List, Optional
 from megatron_tsp.env import run_record
 from megatron_tsp.measure import perfmodel
 from megatron_tsp.run import config as cfg
-from megatron_tsp.run.modes import get_mode
+from megatron_tsp.run.modes import check_layouts, get_mode
 
 RESERVE_FRACTION = 0.05
 RESERVE_GIB = 2.0
@@ -109,8 +109,7 @@ def plan(config_path: str, hw: perfmodel.Hardware, nodes: int = 1, modes: List[s
     if scenario not in perfmodel.SCENARIOS:
         raise cfg.ConfigError(f"--scenario {scenario!r}: use one of {', '.join(perfmodel.SCENARIOS)}")
     world = nodes * hw.gpus_per_node
-    for mode in modes:  # every mode's arguments are checked before the first (slow) plan
-        cfg.check_world_size(get_mode(mode).args(values, cp), world, "--nodes x gpus_per_node")
+    check_layouts(values, modes, world, cp, "--nodes x gpus_per_node")  # before the first (slow) plan
     planner = Planner(values, hw, nodes, cp, scenario)
     seq = cfg.resolve(values).seq_length
     result = {"setup": run_record(config=config_path), "config": config_path, "hardware": hw.__dict__,

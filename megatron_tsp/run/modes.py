@@ -118,6 +118,15 @@ def get_mode(name: str) -> Mode:
     return MODES[name]
 
 
+def check_layouts(values: Dict, names, world_size: Optional[int], cp: int, source: str) -> None:
+    """Every mode of ``names`` lays ``values`` out on ``world_size`` ranks (None: one replica):
+    one ConfigError line otherwise, before any slow work starts. ``source`` names the flag the
+    world size came from."""
+    for name in names:
+        args = get_mode(name).args(values, cp)
+        config.check_world_size(args, world_size or config.model_parallel_size(args), source)
+
+
 def of(args) -> Mode:
     """The mode a resolved config runs in (``megatron-tsp train``)."""
     if args.tsp_size > 1:
