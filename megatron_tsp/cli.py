@@ -69,15 +69,17 @@ def _under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def _init_torchrun(timeout_min: float = 10.0) -> None:
-    """Join the job torchrun started: NCCL (RCCL on ROCm) on GPUs, gloo otherwise."""
-    import torch
+def _init_torchrun(timeout_min: float = 10.0):
+    """Join the job torchrun started on this rank's device (:meth:`Device.from_launch`):
+    NCCL (RCCL on ROCm) on GPUs, gloo otherwise. Returns the device."""
     import torch.distributed as dist
 
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
-                            timeout=datetime.timedelta(minutes=timeout_min))
+    from megatron_tsp.device import Device
+
+    device = Device.from_launch()
+    device.activate()
+    dist.init_process_group(device.backend, timeout=datetime.timedelta(minutes=timeout_min))
+    return device
 
 
 def _cmd_args(ns: argparse.Namespace) -> int:
@@ -88,10 +90,11 @@ def _cmd_args(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _train_rank(args, log_path, collective_timeout_min):
+def _train_rank(args, log_path, collective_timeout_min, device=None):
+    from megatron_tsp.run.launch import worker_device
     from megatron_tsp.run.loop import train
 
-    return train(args, log_path, collective_timeout_min)
+    return train(args, device or worker_device(), log_path, collective_timeout_min)
 
 
 def _already_done(args, resume: Optional[int]) -> bool:
@@ -113,12 +116,12 @@ def _cmd_train(ns: argparse.Namespace) -> int:
     if _under_torchrun():
         import torch.distributed as dist
 
-        _init_torchrun(ns.collective_timeout_min)
+        device = _init_torchrun(ns.collective_timeout_min)
         if dist.get_rank() == 0 and not args.mock_data:
             data.ensure_corpus(args.data_path)
         dist.barrier()
         if not _already_done(args, preflight.check_run(args, dist.get_world_size())):
-            _train_rank(args, log_path, ns.collective_timeout_min)
+            _train_rank(args, log_path, ns.collective_timeout_min, device)
         dist.destroy_process_group()
         return 0
     nproc = ns.nproc or config.model_parallel_size(args)
@@ -126,7 +129,7 @@ def _cmd_train(ns: argparse.Namespace) -> int:
         data.ensure_corpus(args.data_path)
     if _already_done(args, preflight.check_run(args, nproc)):
         return 0
-    print(f"megatron-tsp train: {path}, {nproc} gloo rank(s) on this machine", flush=True)
+    print(f"megatron-tsp train: {path}, {nproc} rank(s) on this machine", flush=True)
     try:
         with launch.WorkerPool(nproc, collective_timeout_s=60 * ns.collective_timeout_min) as pool:
             pool.run(_train_rank, args, log_path, ns.collective_timeout_min, timeout_s=ns.timeout_s)
@@ -209,9 +212,9 @@ def _cmd_bench(ns: argparse.Namespace) -> int:
     if _under_torchrun():  # every rank runs here
         import torch.distributed as dist
 
-        _init_torchrun()
+        device = _init_torchrun()
         result = bench.run(path, ns.seq, ns.modes, ns.repeats, ns.steps, ns.warmup,
-                           lambda fn, *a: [fn(*a)], dist.get_world_size())
+                           lambda fn, *a: [fn(*a, device=device)], dist.get_world_size())
         if dist.get_rank() != 0:
             return 0
     else:

@@ -35,13 +35,16 @@ def nvidia_apex_available() -> bool:
 
 
 def device_and_backend() -> Dict[str, str]:
+    """The device a rank launched here gets (:meth:`Device.from_launch`) and its collectives."""
     import torch
 
-    if torch.cuda.is_available():
-        name = torch.cuda.get_device_name(0)
-        vendor = "rocm" if getattr(torch.version, "hip", None) else "cuda"
-        backend = "nccl" if vendor == "cuda" else "nccl (rccl)"
-        return {"device": f"{vendor}: {name} x{torch.cuda.device_count()}", "backend": backend}
+    from megatron_tsp.device import Device
+
+    device = Device.from_launch(local_rank=0)
+    if device.is_gpu:
+        backend = "nccl" if device.vendor == "cuda" else "nccl (rccl)"
+        return {"device": f"{device.vendor}: {torch.cuda.get_device_name(device.index)} x{torch.cuda.device_count()}",
+                "backend": backend}
     return {"device": f"cpu: {platform.processor() or platform.machine()}", "backend": "gloo"}
 
 

@@ -21,7 +21,7 @@ from megatron.core.utils import get_batch_on_this_cp_rank
 
 import megatron_tsp
 from megatron_tsp import zigzag_batch
-from megatron_tsp.core.baselines import get_gpt_layer_baseline_spec
+from megatron_tsp.core.baselines import get_gpt_block_baseline_spec
 from megatron_tsp.run import checkpointing
 from megatron_tsp.run import step as training
 from megatron_tsp.run.data import make_batch
@@ -55,7 +55,7 @@ def batches(n, seq=SEQ, micro_batch=MICRO_BATCH, vocab=VOCAB, seed=0):
     """``n`` deterministic micro-batches; the last quarter of each sequence is masked out."""
     out = []
     for i in range(n):
-        batch = make_batch(micro_batch, seq, vocab, seed=1000 * seed + i)
+        batch = make_batch(micro_batch, seq, vocab, 1000 * seed + i, torch.device("cpu"))
         batch["loss_mask"][:, -seq // 4 :] = 0.0
         out.append(batch)
     return out
@@ -93,14 +93,14 @@ def setup(mode, model="modern", tsp=1, tp=1, cp=1, pp=1, recompute=None, overlap
                                      or (mode == "tp-cp" and tp > 1)), **config_overrides))
     if mode == "tsp":
         spec = megatron_tsp.get_gpt_block_tsp_spec(config) if block_spec else megatron_tsp.get_gpt_layer_tsp_spec()
-    elif mode == "tp-cp":
-        spec = get_gpt_layer_baseline_spec(normalization=config.normalization)
+    elif mode == "tp-cp" or config.sequence_parallel:  # megatron's own refuses CP (and SP, on a GPU)
+        spec = get_gpt_block_baseline_spec(config)
     else:
         spec = get_gpt_layer_local_spec(normalization=config.normalization)
     torch.manual_seed(SEED)
     model_parallel_cuda_manual_seed(SEED)
     chunks = training.build_model(
-        config, spec, VOCAB, SEQ, position_embedding_type=position_embedding_type,
+        config, spec, VOCAB, torch.device("cpu"), SEQ, position_embedding_type=position_embedding_type,
         ddp_config=DistributedDataParallelConfig(use_distributed_optimizer=use_distributed_optimizer,
                                                  overlap_grad_reduce=overlap_grad_reduce),
     )
@@ -117,7 +117,7 @@ def step(chunks, optimizer, transform, global_microbatches=2, seed=0):
     mine = batches(global_microbatches, seed=seed)[dp_rank::dp]
     result = training.train_step(chunks, optimizer, mine, len(mine), SEQ, MICRO_BATCH,
                                  batch_transform=transform)
-    return Step(result["loss"], result["grad_norm"])
+    return Step(training.global_losses([result["loss"]])[0], result["grad_norm"])
 
 
 def run(mode, model="modern", steps=3, global_microbatches=2, load=None, save=None, **setup_kwargs):

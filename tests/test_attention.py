@@ -1,6 +1,8 @@
 """TSPSelfAttention against stock megatron-core SelfAttention at world size 1."""
 
+import inspect
 import itertools
+import os
 
 import pytest
 import torch
@@ -12,17 +14,19 @@ from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
 import megatron_tsp
-from megatron_tsp.core import comm
 from megatron_tsp.core.attention import TSPSelfAttention
-from megatron_tsp.measure import volumes
+from megatron_tsp.core.norm import TSPNorm
+from megatron_tsp.measure import counts
+import volumes
+from conftest import ROOT
 from reference import (SavedBytes, assert_within, configs, init_tsp, local_rows, rel_err,
                        replicated_bias_error, rotary_table, shard_of, solo_pg_collection, summed)
 
 SEQ, BATCH, HIDDEN, HEADS = 16, 2, 64, 8
 
 
-def _submodules(qk_norm):
-    norm = WrappedTorchNorm if qk_norm else IdentityOp
+def _submodules(qk_norm, norm=WrappedTorchNorm):
+    norm = norm if qk_norm else IdentityOp
     return SelfAttentionSubmodules(linear_qkv=ColumnParallelLinear, core_attention=DotProductAttention,
                                    linear_proj=RowParallelLinear, q_layernorm=norm, k_layernorm=norm)
 
@@ -39,7 +43,7 @@ def _build(tsp_size, dtype, groups, qkv_bias, proj_bias, qk_norm, overlap=True):
     ref = SelfAttention(ref_cfg, _submodules(qk_norm), layer_number=1,
                         attn_mask_type=AttnMaskType.causal, pg_collection=solo)
     torch.manual_seed(0)
-    tsp = TSPSelfAttention(tsp_cfg, _submodules(qk_norm), layer_number=1, overlap_comm=overlap,
+    tsp = TSPSelfAttention(tsp_cfg, _submodules(qk_norm, TSPNorm), layer_number=1, overlap_comm=overlap,
                            attention_backend="auto" if dtype == torch.float32 else "math")
     return ref, tsp, solo
 
@@ -129,12 +133,12 @@ def _saved_and_counted(tsp_size, seq):
     table = rotary_table(tsp.config, seq, solo.cp)
     group = megatron_tsp.get_tsp_group()
     x = local_rows(x_full, group).clone().requires_grad_()
-    comm.COUNTER.reset()
-    with SavedBytes(tsp.parameters()) as saved:
-        out, _ = tsp(x, None, rotary_pos_emb=table)
-    out.backward(torch.ones_like(out))
+    with counts.count_collectives() as records:
+        with SavedBytes(tsp.parameters()) as saved:
+            out, _ = tsp(x, None, rotary_pos_emb=table)
+        out.backward(torch.ones_like(out))
     shard_bytes = sum(t.numel() * t.element_size() for t in tsp.shard_tensors())
-    return saved.total, saved.largest_activation, shard_bytes, comm.COUNTER.as_dict()
+    return saved.total, saved.largest_activation, shard_bytes, counts.by_phase(records)
 
 
 @pytest.mark.parametrize("tsp_size", [2, 4])
@@ -153,9 +157,7 @@ def test_counted_bytes_match_design_formula(ranks, tsp_size):
     expected = volumes.tsp_attention(seq=seq, batch=BATCH, hidden=HIDDEN, heads=HEADS, groups=4, head_dim=8,
                                      tsp=tsp_size, e=4, qkv_bias=True)
     for *_, counted in ranks(tsp_size, _saved_and_counted, tsp_size, seq):
-        for phase, prims in expected.items():
-            got = {p: v["bytes_received"] for p, v in counted[f"layer1/attention/{phase}"].items()}
-            assert got == prims, (phase, got, prims)
+        assert counted == expected
 
 
 def _bad_configs():
@@ -220,7 +222,7 @@ class KernelCalls:
     def __init__(self):
         from megatron_tsp.core import block_attention as kernels
 
-        self.kernel = kernels._BACKENDS["cpu"]
+        self.kernel = kernels._KERNELS["cpu"]
         self.calls = {"forward": 0, "backward": 0}
 
     def _counted(self, name):
@@ -275,9 +277,45 @@ def test_gpu_backend_self_check_accepts_a_right_kernel_and_stops_a_wrong_one(mon
         def forward(q, k, v, causal, scale):
             return kernels._CPU.forward(q, v, k, causal, scale)
 
-    monkeypatch.setattr(kernels, "_CHECKED", set())
-    monkeypatch.setitem(kernels._BACKENDS, "aten", kernels._CPU)
-    kernels.check_backend("aten", torch.device("cpu"), torch.float32)
-    monkeypatch.setitem(kernels._BACKENDS, "flash_attn", Transposed)
-    with pytest.raises(RuntimeError, match="attention backend 'flash_attn' gives a wrong out on cpu"):
-        kernels.check_backend("flash_attn", torch.device("cpu"), torch.float32)
+    class Unknown(kernels._Math):  # a bottom-right kernel whose alignment is not declared
+        bottom_right = None
+
+    monkeypatch.setattr(kernels, "_CHECKED", {})
+    cpu = torch.device("cpu")
+    monkeypatch.setitem(kernels._KERNELS, "efficient", kernels._CPU)
+    kernels.check_backend("efficient", cpu, torch.float32)
+    assert kernels.bottom_right("efficient", cpu, torch.float32) is False  # aten's CPU kernel: top-left
+    monkeypatch.setitem(kernels._KERNELS, "cudnn", Unknown)
+    kernels.check_backend("cudnn", cpu, torch.float32)
+    assert kernels.bottom_right("cudnn", cpu, torch.float32) is True  # learned by the check
+    monkeypatch.setitem(kernels._KERNELS, "flash", Transposed)
+    with pytest.raises(RuntimeError, match="attention backend 'flash' gives a wrong out on cpu"):
+        kernels.check_backend("flash", cpu, torch.float32)
+
+
+@pytest.fixture
+def flash_attn_on_cpu(monkeypatch):
+    """flash-attn 2.8's entry points (tests/standins) as a backend on CPU tensors."""
+    from megatron_tsp.core import block_attention as kernels
+
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "tests", "standins"))
+    monkeypatch.setattr(kernels, "GPU_BACKENDS", ("flash", "cudnn", "efficient"))
+    monkeypatch.setattr(kernels, "HALF_ONLY", ())
+    kernels._FlashAttn._functions.cache_clear()
+    yield
+    kernels._FlashAttn._functions.cache_clear()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_flash_attn_backend_with_the_packages_signatures(flash_attn_on_cpu, dtype):
+    """flash-attn >= 2.6 hides its signature behind torch.library.custom_op: the backend
+    reads the undecorated function's (2.8 needs softcap), and calls one bottom-right causal
+    block per query chunk (no merge)."""
+    from megatron_tsp.core import block_attention as kernels
+    from flash_attn.flash_attn_interface import _flash_attn_forward
+
+    assert "softcap" not in str(inspect.signature(_flash_attn_forward))  # the trap
+    for chunk_ids in ([0], [1, 2], [2, 5]):
+        test_block_attention_matches_softmax_attention("flash_attn", dtype, chunk_ids)
+    assert kernels.blocks([1, 2], 4, kernels.bottom_right("flash_attn", torch.device("cpu"), dtype)) == \
+        [(0, 0, 8, True), (1, 0, 12, True)]

@@ -67,10 +67,12 @@ def test_flags_render_in_megatron_lm_form():
 
 @pytest.mark.parametrize("path", RUN_CONFIGS, ids=[os.path.relpath(c, ROOT) for c in RUN_CONFIGS])
 def test_every_config_resolves_to_a_transformer_config(path):
+    from megatron_tsp.device import Device
     from megatron_tsp.run.build import transformer_config
 
     args = config.resolve(config.load_config(path))
-    tc = transformer_config(args)
+    tc = transformer_config(args, Device("cuda"))  # a config describes a GPU run
+    assert not tc.use_cpu_initialization
     assert tc.num_layers == args.num_layers and tc.hidden_size == args.hidden_size
     assert tc.tensor_model_parallel_size == args.tsp_size * args.tensor_model_parallel_size
     assert tc.sequence_parallel == (args.tsp_size > 1 or args.sequence_parallel)

@@ -19,6 +19,7 @@ import psutil
 import pytest
 import torch.distributed as dist
 
+from megatron_tsp.device import CPU
 from megatron_tsp.errors import CheckpointError, TrainingStopped
 from megatron_tsp.run import checkpointing, config, step as training
 from megatron_tsp.run.launch import RankError, WorkerPool
@@ -55,7 +56,7 @@ def _train_with_nan_gradient_on_rank_1(save):
 
     original = _at_iteration(3, poison)
     try:
-        train(config.resolve(dict(TINY, save=save, save_interval=1)))
+        train(config.resolve(dict(TINY, save=save, save_interval=1)), CPU)
     except TrainingStopped as exc:
         return str(exc)
     finally:
@@ -66,7 +67,7 @@ def _train_with_nan_gradient_on_rank_1(save):
 def test_nan_in_one_gradient_stops_training_before_it_is_saved(ranks, tmp_path):
     save = str(tmp_path / "ckpt")
     messages = ranks(2, _train_with_nan_gradient_on_rank_1, save)
-    assert messages[0] == messages[1] and messages[0].startswith("iteration 3: lm loss"), messages
+    assert messages[0] == messages[1] and messages[0].startswith("iteration 3: grad norm nan"), messages
     assert "not finite, training stopped" in messages[0] and len(messages[0].splitlines()) == 1
     assert checkpointing.latest(save)[1] == 2
 
@@ -79,7 +80,7 @@ def _train_and_stop_rank_1():
             os.kill(os.getpid(), signal.SIGSTOP)
 
     _at_iteration(3, stop)  # the pool is thrown away after this test
-    train(config.resolve(TINY), collective_timeout_min=0.1)
+    train(config.resolve(TINY), CPU, collective_timeout_min=0.1)
 
 
 def test_a_stopped_rank_fails_the_job_within_the_collective_timeout():
@@ -103,13 +104,13 @@ def _train_killed_while_saving(save):
             os.kill(os.getpid(), signal.SIGKILL)
 
     checkpointing._write_checksums = write_checksums  # the pool is thrown away after this
-    train(config.resolve(dict(TINY, save=save, save_interval=2)))
+    train(config.resolve(dict(TINY, save=save, save_interval=2)), CPU)
 
 
 def _train_logged(values, log):
     from megatron_tsp.run.loop import train
 
-    train(config.resolve(values), log)
+    train(config.resolve(values), CPU, log)
 
 
 def _losses(log):
@@ -133,11 +134,12 @@ def test_a_run_killed_while_saving_resumes_from_the_previous_checkpoint(ranks, t
 
 
 def _damaged_checkpoint(path, damage):
+    from megatron_tsp.device import CPU
     from megatron_tsp.run.build import build, initialize, model_args
 
     args = config.resolve(TINY)
-    initialize(args)
-    _, model, _ = build(args)
+    initialize(args, CPU)
+    _, model, _ = build(args, CPU)
     legacy = damage == "other-vocabulary-no-model-args"  # as saved by Megatron-LM or an older megatron-tsp
     checkpointing.save(path, model, common={"iteration": 1, **({} if legacy else {"model_args": model_args(args)})})
     if dist.get_rank() == 0:
@@ -162,8 +164,8 @@ def _damaged_checkpoint(path, damage):
     import megatron_tsp
 
     megatron_tsp.destroy_model_parallel()
-    initialize(args)
-    _, model, _ = build(args)
+    initialize(args, CPU)
+    _, model, _ = build(args, CPU)
     try:
         checkpointing.load(path, model, model_args=model_args(args))
     except CheckpointError as exc:

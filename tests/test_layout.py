@@ -12,12 +12,13 @@ PACKAGE = os.path.join(ROOT, "megatron_tsp")
 # what each part may import from megatron_tsp (besides itself)
 ALLOWED = {
     "core": {"env", "errors"},
-    "run": {"core", "env", "errors"},
-    "measure": {"core", "run", "env", "errors"},
-    "env": set(),
+    "run": {"core", "device", "env", "errors"},
+    "measure": {"core", "run", "device", "env", "errors"},
+    "device": set(),
+    "env": {"device"},
     "errors": set(),
     "megatron_lm": {"core"},
-    "cli": {"core", "run", "measure", "env", "errors"},
+    "cli": {"core", "run", "measure", "device", "env", "errors"},
     "__init__": set(),  # names only, imported lazily by string
 }
 

@@ -5,6 +5,7 @@ import os
 
 import pytest
 
+from megatron_tsp.device import CPU
 from megatron_tsp.measure import memory
 
 from megatron_tsp.run import config
@@ -21,7 +22,7 @@ def _values(**overrides):
 
 
 def _measure(mode):
-    return memory.measure(_values(), mode)
+    return memory.measure(_values(), mode, CPU)
 
 
 @pytest.mark.parametrize("mode", ["tsp", "tp-sp", "tp-cp"])
@@ -81,15 +82,16 @@ MODELS = {"gelu-mha": dict(LAYER, ffn_hidden_size=1024),
           "swiglu-gqa": dict(LAYER, ffn_hidden_size=512, swiglu=True, group_query_attention=True, num_query_groups=4)}
 
 
+@pytest.mark.parametrize("fused_norm", [True, False], ids=["fused-norm", "torch-norm"])
 @pytest.mark.parametrize("mode", ["tsp", "tp-sp"])
 @pytest.mark.parametrize("model", list(MODELS))
-def test_per_layer_activations_match_the_formula(model, mode):
+def test_per_layer_activations_match_the_formula(model, mode, fused_norm):
     """What one layer keeps for backward, tensor by tensor, adds up to Korthikanti et al.'s
     formula plus the documented terms of the modules measured (within 10%)."""
     values = MODELS[model]
-    rows = memory.plan(dict(values), mode, per_layer=True)["saved_per_layer"]
+    rows = memory.plan(dict(values), mode, per_layer=True, fused_norm=fused_norm)["saved_per_layer"]
     measured = sum(r["bytes"] for r in rows)
-    terms = memory.activation_terms(config.resolve(get_mode(mode).values(values)), mode)
+    terms = memory.activation_terms(config.resolve(get_mode(mode).values(values)), mode, fused_norm)
     expected = sum(terms["formula"].values()) + sum(terms["implementation"].values())
     assert abs(measured - expected) <= 0.1 * expected, (measured, expected, rows)
 

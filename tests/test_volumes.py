@@ -9,7 +9,8 @@ import os
 
 import pytest
 
-from megatron_tsp.measure import memory, volumes
+import volumes
+from megatron_tsp.measure import memory
 
 from megatron_tsp.run import config
 from conftest import ROOT

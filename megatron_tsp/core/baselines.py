@@ -6,7 +6,9 @@ parallelism without TransformerEngine, so a fair comparison with TSP (which uses
 memory-efficient kernel) needs :class:`FlashDotProductAttention`: the same contract,
 computed by a flash-style kernel, causal, and with context parallelism by all-gathering
 K/V over the CP group (TransformerEngine's ``cp_comm_type="all_gather"``) on megatron's
-zigzag CP layout. On GPUs with TransformerEngine, ``megatron-tsp train`` uses
+zigzag CP layout. Its norms are :class:`megatron_tsp.core.norm.TSPNorm` (fused
+TransformerEngine/apex kernels where installed): megatron-core's torch fallback refuses
+sequence parallelism. On GPUs with TransformerEngine, ``megatron-tsp train`` uses
 megatron's TE spec instead.
 """
 
@@ -19,12 +21,15 @@ from typing import Optional
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_tsp.core import zigzag
 from megatron_tsp.core.block_attention import block_attention, select_backend
 from megatron_tsp.core.kv import AllGatherKV
+from megatron_tsp.core.spec import norm_spec
 
 
 class FlashDotProductAttention(MegatronModule):
@@ -54,24 +59,43 @@ class FlashDotProductAttention(MegatronModule):
             self.cp_group = parallel_state.get_context_parallel_group()
         self.softmax_scale = softmax_scale or 1.0 / math.sqrt(config.kv_channels)
         self.backend = select_backend(attention_backend)
+        self.zigzag = zigzag.IndexCache()
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
         if packed_seq_params is not None or attention_bias is not None:
             raise NotImplementedError("FlashDotProductAttention: packed sequences and attention bias are not supported")
         chunk_ids = [0]  # the whole sequence: one causal block
-        if self.cp_group.size() > 1:
-            key, value = AllGatherKV.apply(key, value, self.cp_group)
-            chunk_ids = zigzag.rank_chunks(self.cp_group.size(), self.cp_group.rank())
+        size, rank = self.cp_group.size(), self.cp_group.rank()
+        if size > 1:
+            indices = self.zigzag.get(key.size(0) * size, size, rank, key.device)
+            key, value = AllGatherKV.apply(key, value, self.cp_group, indices)
+            chunk_ids = zigzag.rank_chunks(size, rank)
         out = block_attention(query, key, value, chunk_ids, self.softmax_scale, self.backend)
         return out.reshape(out.size(0), out.size(1), -1)
 
 
-def get_gpt_layer_baseline_spec(qk_layernorm: bool = False, normalization: str = "LayerNorm",
-                                attention_backend: str = "auto") -> ModuleSpec:
-    """megatron's local spec with :class:`FlashDotProductAttention` as core attention."""
-    spec = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization=normalization)
+def get_gpt_layer_baseline_spec(qk_layernorm: bool = False, attention_backend: str = "auto",
+                                fused_norm: bool = True) -> ModuleSpec:
+    """megatron's local spec with :class:`FlashDotProductAttention` as core attention and
+    :class:`TSPNorm` norms (``fused_norm``: see :func:`megatron_tsp.core.norm.implementation`)."""
+    spec = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm)
+    norm = norm_spec(fused_norm)
+    layer, attention = spec.submodules, spec.submodules.self_attention.submodules
+    layer.input_layernorm = layer.pre_mlp_layernorm = norm
+    if qk_layernorm:
+        attention.q_layernorm = attention.k_layernorm = norm
+    else:
+        assert attention.q_layernorm is IdentityOp
     # megatron calls submodules.core_attention(...) directly (no build_module): a callable
-    spec.submodules.self_attention.submodules.core_attention = partial(
-        FlashDotProductAttention, attention_backend=attention_backend)
+    attention.core_attention = partial(FlashDotProductAttention, attention_backend=attention_backend)
     return spec
+
+
+def get_gpt_block_baseline_spec(config: TransformerConfig, vp_stage: Optional[int] = None,
+                                pp_rank: Optional[int] = None, **layer_kwargs) -> TransformerBlockSubmodules:
+    """The block spec of this pipeline stage: baseline layers and a :class:`TSPNorm` final norm."""
+    layer = get_gpt_layer_baseline_spec(**layer_kwargs)
+    num_layers = get_num_layers_to_build(config, vp_stage, pp_rank)
+    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers,
+                                      layer_norm=norm_spec(layer_kwargs.get("fused_norm", True)))

@@ -1,12 +1,15 @@
-"""The collectives TSP issues, each counted in bytes.
+"""The collectives TSP issues, on explicit groups with group-local ranks, and the byte
+convention every count in the project follows.
 
-Every TSP byte on the wire goes through one of the functions below, which call
-``torch.distributed`` on an explicit group (group-local ranks in, global ranks resolved
-here) and record the call in :data:`COUNTER` under the current :func:`scope`
-(for example ``"layer1/attention/forward"``).
+Each function calls ``torch.distributed`` on an explicit group (group-local ranks in, global
+ranks resolved here). An asynchronous call is registered with the schedule's
+:class:`InFlight`, which waits for whatever is still in flight when the schedule stops on an
+error: a buffer must outlive its transfer, and a collective library must not be left with
+work on freed memory.
 
-What is counted is the *logical* traffic of the primitive seen from this rank, the quantity
-of DESIGN.md section 5, independent of how the backend routes it:
+What a count means (:func:`traffic`) is the *logical* traffic of the primitive seen from one
+rank, the quantity of DESIGN.md section 5, independent of how the backend routes it;
+:mod:`megatron_tsp.measure.counts` counts TSP's and megatron's collectives with it:
 
 ===================  ==================================  =================================
 primitive            received by this rank                sent by this rank
@@ -18,58 +21,14 @@ reduce               (D-1)·n on the destination, else 0   n off the destination
 all_reduce (ring)    2(D-1)/D·n                           2(D-1)/D·n
 send / recv          n per recv                           n per send
 ===================  ==================================  =================================
-
-:func:`traffic` is that table; :mod:`megatron_tsp.measure.counts` counts megatron's collectives
-with it too, so every count in the project follows one convention.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections import defaultdict
-from typing import Dict, Iterator, List, Sequence, Tuple, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
-
-
-class CommCounter:
-    """Per-scope, per-primitive call and byte counts for this rank."""
-
-    def __init__(self) -> None:
-        self._scopes: List[str] = []
-        self.reset()
-
-    def reset(self) -> None:
-        self.records: Dict[str, Dict[str, Dict[str, int]]] = defaultdict(
-            lambda: defaultdict(lambda: {"calls": 0, "bytes_sent": 0, "bytes_received": 0})
-        )
-
-    @property
-    def current_scope(self) -> str:
-        return "/".join(self._scopes) or "global"
-
-    def record(self, primitive: str, sent: int, received: int) -> None:
-        entry = self.records[self.current_scope][primitive]
-        entry["calls"] += 1
-        entry["bytes_sent"] += sent
-        entry["bytes_received"] += received
-
-    def as_dict(self) -> Dict[str, Dict[str, Dict[str, int]]]:
-        return {scope: {p: dict(e) for p, e in prims.items()} for scope, prims in self.records.items()}
-
-
-COUNTER = CommCounter()
-
-
-@contextlib.contextmanager
-def scope(name: str) -> Iterator[None]:
-    """Label the collectives issued inside the block (scopes nest with '/')."""
-    COUNTER._scopes.append(name)
-    try:
-        yield
-    finally:
-        COUNTER._scopes.pop()
 
 
 def logical_bytes(t: Union[torch.Tensor, Sequence[torch.Tensor]]) -> int:
@@ -95,54 +54,83 @@ def traffic(primitive: str, n: int, group_size: int, root: bool = False) -> Tupl
     raise ValueError(f"no traffic rule for {primitive!r}")
 
 
-def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup, async_op: bool = False):
-    """``tensor`` on every rank := ``tensor`` on group rank ``src``."""
-    COUNTER.record("broadcast", *traffic("broadcast", logical_bytes(tensor), group.size(), group.rank() == src))
-    return dist.broadcast(tensor, src=dist.get_global_rank(group, src), group=group, async_op=async_op)
+Handle = Optional[Union[dist.Work, List[dist.Work]]]
+
+
+class InFlight:
+    """The asynchronous transfers of one schedule (one layer's forward or backward).
+
+    ``add(handle)`` when a transfer starts, ``wait(handle)`` before its buffer is read; used
+    as a context manager, an exception waits for every transfer still in flight before it
+    propagates (and so does a normal exit, which should find none)."""
+
+    def __init__(self) -> None:
+        self._handles: List[dist.Work] = []
+
+    def add(self, handle: Handle) -> Handle:
+        for work in _works(handle):
+            self._handles.append(work)
+        return handle
+
+    def wait(self, handle: Handle) -> None:
+        for work in _works(handle):
+            work.wait()
+            self._handles.remove(work)
+
+    def __enter__(self) -> "InFlight":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        pending, self._handles = self._handles, []
+        for work in pending:
+            try:
+                work.wait()
+            except Exception:  # noqa: BLE001 - the schedule's own error is the one to report
+                if exc_type is None:
+                    raise
+
+
+def _works(handle: Handle) -> List[dist.Work]:
+    if handle is None:
+        return []
+    return list(handle) if isinstance(handle, (list, tuple)) else [handle]
+
+
+def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup, inflight: InFlight) -> dist.Work:
+    """Start: ``tensor`` on every rank := ``tensor`` on group rank ``src``."""
+    return inflight.add(dist.broadcast(tensor, src=dist.get_global_rank(group, src), group=group, async_op=True))
 
 
 def all_gather(output: torch.Tensor, local: torch.Tensor, group: dist.ProcessGroup,
-               async_op: bool = False):
-    """``output`` = concatenation over group ranks of ``local`` along dim 0."""
-    COUNTER.record("all_gather", *traffic("all_gather", logical_bytes(local), group.size()))
-    return _all_gather_single()(output, local, group=group, async_op=async_op)
+               inflight: InFlight) -> dist.Work:
+    """Start: ``output`` = concatenation over group ranks of ``local`` along dim 0."""
+    return inflight.add(_all_gather_single()(output, local, group=group, async_op=True))
 
 
 def reduce_scatter(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup,
-                   async_op: bool = False):
-    """``output`` on rank r = sum over ranks of the r-th dim-0 slice of ``full``."""
-    COUNTER.record("reduce_scatter", *traffic("reduce_scatter", logical_bytes(output), group.size()))
-    return _reduce_scatter_single()(output, full, group=group, async_op=async_op)
+                   inflight: InFlight) -> dist.Work:
+    """Start: ``output`` on rank r = sum over ranks of the r-th dim-0 slice of ``full``."""
+    return inflight.add(_reduce_scatter_single()(output, full, group=group, async_op=True))
 
 
-def reduce(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup, async_op: bool = False):
-    """``tensor`` on group rank ``dst`` := sum over ranks of ``tensor``."""
-    COUNTER.record("reduce", *traffic("reduce", logical_bytes(tensor), group.size(), group.rank() == dst))
-    return dist.reduce(tensor, dst=dist.get_global_rank(group, dst), group=group, async_op=async_op)
+def reduce(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup, inflight: InFlight) -> dist.Work:
+    """Start: ``tensor`` on group rank ``dst`` := sum over ranks of ``tensor``."""
+    return inflight.add(dist.reduce(tensor, dst=dist.get_global_rank(group, dst), group=group, async_op=True))
 
 
 def send_recv(sends: Sequence[Tuple[torch.Tensor, int]], recvs: Sequence[Tuple[torch.Tensor, int]],
-              group: dist.ProcessGroup) -> List[dist.Work]:
-    """Start point-to-point sends and receives (group ranks) together; return their handles."""
+              group: dist.ProcessGroup, inflight: InFlight) -> List[dist.Work]:
+    """Start point-to-point sends and receives (group ranks) together."""
     if not sends and not recvs:
         return []
-    COUNTER.record("send_recv", logical_bytes([t for t, _ in sends]), logical_bytes([t for t, _ in recvs]))
     ops = [dist.P2POp(dist.isend, t, dist.get_global_rank(group, peer), group) for t, peer in sends]
     ops += [dist.P2POp(dist.irecv, t, dist.get_global_rank(group, peer), group) for t, peer in recvs]
-    return dist.batch_isend_irecv(ops)
-
-
-def wait(handles) -> None:
-    """Wait for async handles (a handle, a list, or None). The group's timeout applies."""
-    if handles is None:
-        return
-    for handle in handles if isinstance(handles, (list, tuple)) else (handles,):
-        handle.wait()
+    return inflight.add(dist.batch_isend_irecv(ops))
 
 
 # torch >= 2.13 renamed the tensor-in/tensor-out collectives; older releases have only the
 # original names. Looked up per call, so that a wrapper installed on torch.distributed (the
-# memory planner's) sees these calls too.
+# collective counter's) sees these calls too.
 def _all_gather_single():
     return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 

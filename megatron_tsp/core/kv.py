@@ -4,8 +4,9 @@ A rank holds the tokens of zigzag chunks r and 2D-1-r (:mod:`megatron_tsp.core.z
 and values are gathered over the group in *rank order* and re-indexed to global order, which
 is what :func:`megatron_tsp.core.block_attention.block_attention` expects; the gradient goes the other way
 (re-index to rank order, reduce-scatter: each rank receives the sum over ranks of the
-gradient of its own tokens). Both run asynchronously, so that a caller can attend with one
-head group while the next one's K/V travel (TSP), and both are counted by :mod:`comm`.
+gradient of its own tokens, summed in the gradient's dtype: fp32 from the attention op).
+Both run asynchronously, so that a caller can attend with one head group while the next
+one's K/V travel (TSP).
 """
 
 from __future__ import annotations
@@ -14,23 +15,25 @@ from typing import Tuple
 
 import torch
 
-from megatron_tsp.core import comm, zigzag
+from megatron_tsp.core import comm
+from megatron_tsp.core.zigzag import Indices
 
 
 class GatherKV:
     """Start ``K, V = all_gather_seq(k, v)``; :meth:`wait` returns them ``[S, b, g, d]`` in
     global order. ``k``, ``v``: this rank's ``[S/D, b, g, d]`` in zigzag (rank) order."""
 
-    def __init__(self, key: torch.Tensor, value: torch.Tensor, group):
+    def __init__(self, key: torch.Tensor, value: torch.Tensor, group, indices: Indices, inflight: comm.InFlight):
         local = torch.stack([key, value], dim=1).contiguous()  # [s, 2, b, g, d]: sequence first
         self.full = local.new_empty((local.size(0) * group.size(),) + tuple(local.shape[1:]))
-        self.to_global = zigzag.inverse_permutation(self.full.size(0), group.size(), key.device)
-        self.handle = comm.all_gather(self.full, local, group, async_op=True)
+        self.to_natural = indices.to_natural
+        self.inflight = inflight
+        self.handle = comm.all_gather(self.full, local, group, inflight)
         self._local = local  # alive until the collective has read it
 
     def wait(self) -> Tuple[torch.Tensor, torch.Tensor]:
-        comm.wait(self.handle)
-        full = self.full.index_select(0, self.to_global)
+        self.inflight.wait(self.handle)
+        full = self.full.index_select(0, self.to_natural)
         del self.full, self._local
         return full[:, 0], full[:, 1]
 
@@ -39,15 +42,16 @@ class ScatterKVGrads:
     """Start ``dk, dv = reduce_scatter_seq(dK, dV)`` from full-sequence gradients in global
     order; :meth:`wait` returns this rank's ``[S/D, b, g, d]`` (rank order), summed over ranks."""
 
-    def __init__(self, d_keys: torch.Tensor, d_values: torch.Tensor, group):
-        to_rank_order = zigzag.permutation(d_keys.size(0), group.size(), d_keys.device)
-        full = torch.stack([d_keys, d_values], dim=1).index_select(0, to_rank_order)
+    def __init__(self, d_keys: torch.Tensor, d_values: torch.Tensor, group, indices: Indices,
+                 inflight: comm.InFlight):
+        full = torch.stack([d_keys, d_values], dim=1).index_select(0, indices.to_rank_order)
         self.local = full.new_empty((full.size(0) // group.size(),) + tuple(full.shape[1:]))
-        self.handle = comm.reduce_scatter(self.local, full, group, async_op=True)
+        self.inflight = inflight
+        self.handle = comm.reduce_scatter(self.local, full, group, inflight)
         self._full = full  # alive until the collective has read it
 
     def wait(self) -> Tuple[torch.Tensor, torch.Tensor]:
-        comm.wait(self.handle)
+        self.inflight.wait(self.handle)
         del self._full
         return self.local[:, 0], self.local[:, 1]
 
@@ -61,11 +65,13 @@ class AllGatherKV(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, key, value, group):
-        ctx.group = group
-        return GatherKV(key, value, group).wait()
+    def forward(ctx, key, value, group, indices: Indices):
+        ctx.group, ctx.indices = group, indices
+        with comm.InFlight() as inflight:
+            return GatherKV(key, value, group, indices, inflight).wait()
 
     @staticmethod
     def backward(ctx, d_keys, d_values):
-        dk, dv = ScatterKVGrads(d_keys, d_values, ctx.group).wait()
-        return dk, dv, None
+        with comm.InFlight() as inflight:
+            dk, dv = ScatterKVGrads(d_keys, d_values, ctx.group, ctx.indices, inflight).wait()
+        return dk, dv, None, None

@@ -27,7 +27,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_tsp.core import comm
 from megatron_tsp.core.parallel_state import resolve_tsp_groups
-from megatron_tsp.core.streaming import ShardRing, linear_pair_shard
+from megatron_tsp.core.streaming import ShardRing, grad_product, linear_pair_shard
 from megatron_tsp.core.support import check_mlp_config
 
 
@@ -56,11 +56,6 @@ class TSPMLP(MLP):
         self.tsp_group = group
         self.weight_group = weight_group
         self.overlap_comm = overlap_comm
-        self.comm_scope = "mlp"
-
-    def set_layer_number(self, layer_number: int) -> None:
-        """Called by megatron's TransformerLayer; names this layer's traffic in comm.COUNTER."""
-        self.comm_scope = f"layer{layer_number}/mlp"
 
     def shard_tensors(self) -> List[torch.Tensor]:
         """This rank's shard, in the order it travels: W1, (b1), W2."""
@@ -81,65 +76,66 @@ class TSPMLP(MLP):
                 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         if per_token_scale is not None:
             raise NotImplementedError("TSPMLP: per_token_scale (MoE) is not supported")
-        ring = MLPRing(self.weight_group, self.activation, self.config.hidden_size,
-                       has_bias=self.linear_fc1.bias is not None, overlap=self.overlap_comm, scope=self.comm_scope)
-        return RotateMLPShards.apply(ring, hidden_states, *self.shard_tensors()), self.linear_fc2.bias
+        args = MLPScheduleArgs(self.weight_group, self.activation, self.config.hidden_size,
+                               has_bias=self.linear_fc1.bias is not None, overlap=self.overlap_comm)
+        return RotateMLPShards.apply(args, hidden_states, *self.shard_tensors()), self.linear_fc2.bias
 
 
 @dataclass(frozen=True)
-class MLPRing:
-    """The arguments of the ring schedule: the group the shards rotate over, the elementwise
-    activation, the output width, whether fc1 has a bias (a shard is then W1, b1, W2), the
-    overlap switch and the name of the traffic in ``comm.COUNTER``."""
+class MLPScheduleArgs:
+    """The arguments of :class:`RotateMLPShards`: the group the shards rotate over, the
+    elementwise activation, the output width, whether fc1 has a bias (a shard is then W1, b1,
+    W2) and the overlap switch."""
 
     weight_group: dist.ProcessGroup
     activation: Callable[[torch.Tensor], torch.Tensor]
     hidden_size: int
     has_bias: bool
     overlap: bool = True
-    scope: str = "mlp"
 
 
 class RotateMLPShards(torch.autograd.Function):
-    """y_p = sum_j act(x_p W1_j^T + b1_j) W2_j^T over shards arriving on the ring.
+    """y_p = sum_j act(x_p W1_j^T + b1_j) W2_j^T over shards arriving on the ring, summed in
+    fp32 and rounded once.
 
     Saved: x_p and, per shard, this rank's fc1 output ``h_j`` (together 1/D of what one
-    device would save). Backward recomputes only the activation from ``h_j``.
+    device would save). Backward recomputes only the activation from ``h_j``; each shard's
+    partial weight gradients travel back to its owner in fp32 (``streaming.ShardRing``).
     """
 
     @staticmethod
-    def forward(ctx, ring: MLPRing, x, *own):
-        y = torch.zeros(x.shape[:-1] + (ring.hidden_size,), dtype=x.dtype, device=x.device)
-        hidden = [None] * ring.weight_group.size()
-        with comm.scope(f"{ring.scope}/forward"):
-            for j, shard in ShardRing(own, ring.weight_group, overlap=ring.overlap):
+    def forward(ctx, args: MLPScheduleArgs, x, *own):
+        y = torch.zeros(x.shape[:-1] + (args.hidden_size,), dtype=torch.float32, device=x.device)
+        hidden = [None] * args.weight_group.size()
+        with comm.InFlight() as inflight:
+            for j, shard in ShardRing(own, args.weight_group, inflight, overlap=args.overlap):
                 h = F.linear(x, *shard[:-1])
-                y += F.linear(ring.activation(h), shard[-1])
+                y += F.linear(args.activation(h), shard[-1])
                 hidden[j] = h
-        ctx.ring = ring
+        ctx.args = args
         ctx.n_shard = len(own)
         ctx.save_for_backward(x, *own, *hidden)
-        return y
+        return y.to(x.dtype)
 
     @staticmethod
     def backward(ctx, dy):
-        ring: MLPRing = ctx.ring
+        args: MLPScheduleArgs = ctx.args
         x, *rest = ctx.saved_tensors
         own, hidden = rest[: ctx.n_shard], rest[ctx.n_shard :]
         dy2d = dy.reshape(-1, dy.size(-1))
         x2d = x.reshape(-1, x.size(-1))
-        dx = torch.zeros_like(x)
-        shards = ShardRing(own, ring.weight_group, overlap=ring.overlap)
-        with comm.scope(f"{ring.scope}/backward"):
+        dx = torch.zeros_like(x, dtype=torch.float32)
+        with comm.InFlight() as inflight:
+            shards = ShardRing(own, args.weight_group, inflight, overlap=args.overlap)
             for j, shard in shards:
                 h = hidden[j].detach().requires_grad_()
                 with torch.enable_grad():
-                    a = ring.activation(h)
-                a2d = a.detach().reshape(-1, a.size(-1))
-                d_w2 = dy2d.t() @ a2d
+                    a = args.activation(h)
+                d_w2 = grad_product(dy2d, a.detach().reshape(-1, a.size(-1)))
                 (d_h,) = torch.autograd.grad(a, h, (dy2d @ shard[-1]).view_as(a))
                 d_h2d = d_h.reshape(-1, d_h.size(-1))
                 dx += (d_h2d @ shard[0]).view_as(x)
-                d_fc1 = [d_h2d.t() @ x2d] + ([d_h2d.sum(0)] if ring.has_bias else [])
+                d_fc1 = [grad_product(d_h2d, x2d)] + ([d_h2d.float().sum(0)] if args.has_bias else [])
                 shards.add_grad([*d_fc1, d_w2])
-        return (None, dx, *shards.own_grads())
+            own_grads = shards.own_grads()
+        return (None, dx.to(x.dtype), *own_grads)

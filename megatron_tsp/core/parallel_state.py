@@ -16,6 +16,7 @@ import dataclasses
 import datetime
 from typing import Optional, Tuple
 
+import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 from megatron.core.process_groups_config import ProcessGroupCollection
@@ -42,13 +43,16 @@ class TSPProcessGroupCollection(ProcessGroupCollection):
 
 
 def initialize_model_parallel(
-    tsp_size: int = 1, pipeline_model_parallel_size: int = 1, **megatron_kwargs
+    tsp_size: int = 1, pipeline_model_parallel_size: int = 1, device: Optional[torch.device] = None,
+    **megatron_kwargs
 ) -> None:
     """Set up megatron-core's parallel state with TSP on the tensor-parallel slot.
 
     ``megatron_kwargs`` go to ``megatron.core.parallel_state.initialize_model_parallel``
     (for example ``virtual_pipeline_model_parallel_size``, ``distributed_timeout_minutes``).
     With ``tsp_size == 1`` a ``tensor_model_parallel_size`` > 1 gives a plain TP baseline.
+    ``device``: the device of this rank's collectives; the TSP communicators are then
+    created now (:func:`warm_up`) rather than in the middle of the first step.
     """
     global _TSP_GROUP, _TSP_WEIGHT_GROUP, _TSP_SIZE
     if _TSP_SIZE is not None or mpu.model_parallel_is_initialized():
@@ -76,6 +80,8 @@ def initialize_model_parallel(
     if tp == 1:
         _TSP_GROUP = mpu.get_tensor_model_parallel_group()
         _TSP_WEIGHT_GROUP = _new_weight_group(tsp_size, megatron_kwargs)
+        if device is not None:
+            warm_up(device)
 
 
 def adopt_megatron_groups(tsp_size: int) -> None:
@@ -92,6 +98,31 @@ def adopt_megatron_groups(tsp_size: int) -> None:
     _TSP_SIZE = tsp_size
     _TSP_GROUP = mpu.get_tensor_model_parallel_group()
     _TSP_WEIGHT_GROUP = _new_weight_group(tsp_size, {})
+    # Megatron-LM has set the current device already; its collectives run there
+    nccl = dist.get_backend(_TSP_GROUP) == "nccl"
+    warm_up(torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu"))
+
+
+def warm_up(device: torch.device) -> None:
+    """Create the TSP communicators now: NCCL/RCCL create a communicator at its first
+    collective and a point-to-point pair at its first send, which would otherwise happen in
+    the middle of the first step (and be counted in its time). One all-reduce on each TSP
+    group and one ring exchange (to the next rank, from the previous) on the weight group,
+    as TSP's layers use them. Collective over the TSP group."""
+    d_size = _TSP_GROUP.size()
+    if d_size == 1:
+        return
+    probe = torch.zeros(1, device=device)
+    for group in {id(g): g for g in (_TSP_GROUP, _TSP_WEIGHT_GROUP)}.values():
+        dist.all_reduce(probe, group=group)
+    rank = _TSP_WEIGHT_GROUP.rank()
+    incoming = torch.empty_like(probe)
+    ops = [dist.P2POp(dist.isend, probe, dist.get_global_rank(_TSP_WEIGHT_GROUP, (rank + 1) % d_size),
+                      _TSP_WEIGHT_GROUP),
+           dist.P2POp(dist.irecv, incoming, dist.get_global_rank(_TSP_WEIGHT_GROUP, (rank - 1) % d_size),
+                      _TSP_WEIGHT_GROUP)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
 
 
 def _new_weight_group(tsp_size: int, megatron_kwargs) -> dist.ProcessGroup:

@@ -24,6 +24,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 from megatron_tsp.core.attention import TSPSelfAttention
 from megatron_tsp.core.mlp import TSPMLP
 from megatron_tsp.core.norm import TSPNorm
+from megatron_tsp.core.zigzag import IndexCache
 
 
 class _ExpectedMLPWarning(logging.Filter):
@@ -40,10 +41,16 @@ class _ExpectedMLPWarning(logging.Filter):
 _EXPECTED_MLP_WARNING = _ExpectedMLPWarning()
 
 
+def norm_spec(fused: bool = True) -> ModuleSpec:
+    """A :class:`TSPNorm` (``fused``: see :func:`megatron_tsp.core.norm.implementation`)."""
+    return ModuleSpec(module=TSPNorm, params={"fused": fused})
+
+
 def get_gpt_layer_tsp_spec(
     qk_layernorm: bool = False,
     overlap_comm: bool = True,
     attention_backend: str = "auto",
+    fused_norm: bool = True,
 ) -> ModuleSpec:
     """A ``TransformerLayer`` spec with TSP attention and MLP.
 
@@ -52,17 +59,19 @@ def get_gpt_layer_tsp_spec(
     write to ``spec.submodules.self_attention.submodules.core_attention``.
     """
     logging.getLogger("megatron.core.transformer.transformer_layer").addFilter(_EXPECTED_MLP_WARNING)
-    qk_norm = TSPNorm if qk_layernorm else IdentityOp
+    norm = norm_spec(fused_norm)
+    qk_norm = norm if qk_layernorm else IdentityOp
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
-            input_layernorm=TSPNorm,
+            input_layernorm=norm,
             self_attention=ModuleSpec(
                 module=TSPSelfAttention,
                 params={
                     "attn_mask_type": AttnMaskType.causal,
                     "overlap_comm": overlap_comm,
                     "attention_backend": attention_backend,
+                    "zigzag_indices": IndexCache(),  # one per model, not per layer
                 },
                 submodules=SelfAttentionSubmodules(
                     linear_qkv=ColumnParallelLinear,
@@ -73,7 +82,7 @@ def get_gpt_layer_tsp_spec(
                 ),
             ),
             self_attn_bda=get_bias_dropout_add,
-            pre_mlp_layernorm=TSPNorm,
+            pre_mlp_layernorm=norm,
             mlp=ModuleSpec(
                 module=TSPMLP,
                 params={"overlap_comm": overlap_comm},
@@ -101,4 +110,5 @@ def get_gpt_block_tsp_spec(
     """
     layer = get_gpt_layer_tsp_spec(**layer_kwargs)
     num_layers = get_num_layers_to_build(config, vp_stage, pp_rank)
-    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=TSPNorm)
+    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers,
+                                      layer_norm=norm_spec(layer_kwargs.get("fused_norm", True)))

@@ -9,6 +9,8 @@ scatter hand each rank exactly its two chunks.
 
 from __future__ import annotations
 
+from typing import Dict, NamedTuple, Tuple
+
 import torch
 
 from megatron_tsp.core.support import violations
@@ -51,9 +53,36 @@ def inverse_permutation(
     seq_len: int, tsp_size: int, device: torch.device | str | None = None
 ) -> torch.Tensor:
     """``inv`` such that ``x_zigzag[inv]`` is back in natural order."""
-    perm = permutation(seq_len, tsp_size, device)
+    return _inverse(permutation(seq_len, tsp_size, device))
+
+
+class Indices(NamedTuple):
+    """The index tensors a rank of a zigzag group uses at one sequence length."""
+
+    local_positions: torch.Tensor  # global positions of this rank's tokens, in local order
+    to_natural: torch.Tensor  # rank order (a gathered sequence) -> natural order
+    to_rank_order: torch.Tensor  # natural order -> rank order (for a reduce-scatter)
+
+
+class IndexCache:
+    """:class:`Indices` of one rank of a group of ``size``, built once per (sequence length,
+    device) and shared by every layer that holds the cache (a layer spec passes one to all
+    of its layers), rather than rebuilt per head group and layer."""
+
+    def __init__(self) -> None:
+        self._built: Dict[Tuple[int, int, int, torch.device], Indices] = {}
+
+    def get(self, seq_len: int, size: int, rank: int, device: torch.device) -> Indices:
+        key = (seq_len, size, rank, torch.device(device))
+        if key not in self._built:
+            perm = permutation(seq_len, size, device)
+            self._built[key] = Indices(local_positions(seq_len, size, rank, device), _inverse(perm), perm)
+        return self._built[key]
+
+
+def _inverse(perm: torch.Tensor) -> torch.Tensor:
     inv = torch.empty_like(perm)
-    inv[perm] = torch.arange(seq_len, device=perm.device)
+    inv[perm] = torch.arange(perm.numel(), device=perm.device)
     return inv
 
 

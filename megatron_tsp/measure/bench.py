@@ -24,15 +24,16 @@ import statistics
 import time
 from typing import Dict, List, Optional
 
-import torch
 import torch.distributed as dist
 
+from megatron_tsp.device import Device
 from megatron_tsp.env import run_record
 from megatron_tsp.errors import UserError
 from megatron_tsp.measure import counts, memory
 from megatron_tsp.run import config as cfg
 from megatron_tsp.run.build import initialize, stepper
 from megatron_tsp.run.config import at_seq_length
+from megatron_tsp.run.launch import worker_device
 from megatron_tsp.run.modes import MODES, get_mode
 
 LOSS_RTOL = 1e-4  # step-1 losses of a fresh fp32 model differ by reduction order only (~1e-7)
@@ -43,15 +44,18 @@ class ModesDisagree(UserError):
 
 
 def _args(values: Dict, mode: str, seq: int):
-    return get_mode(mode).args(at_seq_length(values, seq))
+    """Every mode initialises the same weights on the CPU (then moves them to its device)."""
+    return get_mode(mode).args(dict(at_seq_length(values, seq), use_cpu_initialization=True))
 
 
-def _block(values: Dict, mode: str, seq: int, steps: int, warmup: int) -> Dict:
-    """On every rank: build the model for ``mode``; its first step's loss, then ``warmup``
-    more untimed steps, one counted step and ``steps`` timed steps, each on a new batch."""
+def _block(values: Dict, mode: str, seq: int, steps: int, warmup: int, device: Optional[Device] = None) -> Dict:
+    """On every rank (of a worker pool, or of torchrun with its ``device``): build the model
+    for ``mode``; its first step's loss, then ``warmup`` more untimed steps, one counted step
+    and ``steps`` timed steps, each on a new batch."""
+    device = device or worker_device()
     args = _args(values, mode, seq)
-    initialize(args)
-    step = stepper(args, get_mode(mode), transformer_engine=False)
+    initialize(args, device)
+    step = stepper(args, device, get_mode(mode), transformer_engine=False)
     first_loss = step()["loss"]
     for _ in range(warmup):
         step()
@@ -62,16 +66,16 @@ def _block(values: Dict, mode: str, seq: int, steps: int, warmup: int) -> Dict:
         dist.barrier()
         t0 = time.perf_counter()
         step()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        device.synchronize()
         dist.barrier()
         times.append(time.perf_counter() - t0)
     received = sum(v for phases in counts.totals(records).values() for v in phases.values())
     return {"step_s": times, "bytes_received": received, "first_step_loss": first_loss}
 
 
-def _memory(values: Dict, mode: str, seq: int) -> float:
-    return memory.measure(at_seq_length(values, seq), mode)["peak_gib"]
+def _memory(values: Dict, mode: str, seq: int, device: Optional[Device] = None) -> float:
+    return memory.measure(dict(at_seq_length(values, seq), use_cpu_initialization=True), mode,
+                          device or worker_device())["peak_gib"]
 
 
 def check_same_loss(first_losses: Dict[str, List[float]], seq: int) -> None:

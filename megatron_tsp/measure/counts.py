@@ -129,21 +129,21 @@ HOOKS = {
 
 
 @contextlib.contextmanager
-def _patched(recorder: _Recorder) -> Iterator[None]:
-    """Every ``torch.distributed`` call of :data:`HOOKS` reports to ``recorder`` first: called
-    as ``torch.distributed.<name>`` or through a name megatron bound at import
-    (``dist_all_gather_func = torch.distributed.all_gather_into_tensor`` in
+def _patched(before: Callable[..., None]) -> Iterator[None]:
+    """Every ``torch.distributed`` call named in :data:`HOOKS` calls ``before(name, *args,
+    **kwargs)`` first: called as ``torch.distributed.<name>`` or through a name megatron bound
+    at import (``dist_all_gather_func = torch.distributed.all_gather_into_tensor`` in
     tensor_parallel/mappings.py and distributed/param_and_grad_buffer.py)."""
-    def wrap(hook, original):
+    def wrap(name, original):
         def wrapper(*args, **kwargs):
-            hook(recorder, *args, **kwargs)
+            before(name, *args, **kwargs)
             return original(*args, **kwargs)
 
         wrapper.__wrapped__ = original
         return wrapper
 
     originals = {name: getattr(dist, name) for name in HOOKS if hasattr(dist, name)}
-    wrappers = {name: wrap(HOOKS[name], original) for name, original in originals.items()}
+    wrappers = {name: wrap(name, original) for name, original in originals.items()}
     for name, wrapper in wrappers.items():
         setattr(dist, name, wrapper)
     changed = rebind_in_megatron({id(originals[name]): wrapper for name, wrapper in wrappers.items()})
@@ -160,14 +160,49 @@ def _patched(recorder: _Recorder) -> Iterator[None]:
 def count_collectives(on_output: Optional[Callable[[torch.Tensor], None]] = None) -> Iterator[Records]:
     """Record the collectives issued inside the block; ``on_output`` sees every receive buffer."""
     recorder = _Recorder(on_output)
-    with _patched(recorder):
+    with _patched(lambda name, *args, **kwargs: HOOKS[name](recorder, *args, **kwargs)):
         yield recorder.records
+
+
+def _tensors(args, kwargs) -> Iterator[torch.Tensor]:
+    for value in list(args) + list(kwargs.values()):
+        for item in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(item, dist.P2POp):
+                item = item.tensor
+            if isinstance(item, torch.Tensor):
+                yield item
+
+
+@contextlib.contextmanager
+def devices_checked(device: torch.device) -> Iterator[None]:
+    """Every collective inside the block must move tensors on ``device``'s type: a CPU tensor
+    in a collective of a GPU job is what NCCL/RCCL refuse at run time ("No backend type
+    associated with device type cpu"), found here on any machine (the fake-CUDA runs)."""
+    def check(name, *args, **kwargs):
+        for t in _tensors(args, kwargs):
+            if t.device.type != device.type:
+                raise RuntimeError(f"torch.distributed.{name} on a {t.device.type} tensor {tuple(t.shape)} in a job "
+                                   f"whose collectives run on {device.type}")
+
+    with _patched(check):
+        yield
 
 
 def totals(records: Records, key: str = "bytes_received") -> Dict[str, Dict[str, int]]:
     """group -> phase -> bytes summed over primitives."""
     return {g: {ph: sum(e[key] for e in prims.values()) for ph, prims in phases.items()}
             for g, phases in records.items()}
+
+
+def by_phase(records: Records, key: str = "bytes_received") -> Dict[str, Dict[str, int]]:
+    """phase -> primitive -> bytes summed over groups (one layer's traffic, as DESIGN.md
+    section 5 tabulates it)."""
+    out: Dict[str, Dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    for phases in records.values():
+        for phase, prims in phases.items():
+            for primitive, entry in prims.items():
+                out[phase][primitive] += entry[key]
+    return {phase: dict(prims) for phase, prims in out.items()}
 
 
 def as_dict(records: Records) -> Dict:

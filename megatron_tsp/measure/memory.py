@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from megatron_tsp.core.parallel_state import destroy_model_parallel
+from megatron_tsp.device import CPU, Device
 from megatron_tsp.env import run_record
 from megatron_tsp.measure import counts
 from megatron_tsp.measure.tracker import CATEGORIES, GIB, SavedTensors, StorageTracker
@@ -41,7 +42,7 @@ from megatron_tsp.run.data import make_batch
 from megatron_tsp.run.modes import Mode, check_layouts, get_mode
 
 
-def activation_terms(args, mode: str) -> Dict[str, Dict[str, float]]:
+def activation_terms(args, mode: str, fused_norm: bool = True) -> Dict[str, Dict[str, float]]:
     """Bytes one layer keeps for backward on one rank, term by term, for ``tsp`` and ``tp-sp``
     without recompute: ``{"formula": ..., "implementation": ...}``.
 
@@ -53,9 +54,10 @@ def activation_terms(args, mode: str) -> Dict[str, Dict[str, float]]:
     the MLP activation's output, which its backward recomputes from the fc1 output (mlp.py).
 
     ``implementation`` holds what the measured modules keep beyond the formula (each checked
-    in ``tests/test_memory.py``): torch's RMSNorm, without a fused kernel for bf16 input and
-    fp32 weights, keeps fp32 copies of its input and of the normalised product instead of
-    the bf16 input; megatron's unfused SwiGLU keeps ``silu(x1)`` and ``x2 + offset`` for the
+    in ``tests/test_memory.py``): a fused norm (``fused_norm``: TransformerEngine's, apex's
+    or TSP's RMSNorm) keeps an fp32 statistic per token besides its input; torch's own
+    RMSNorm with fp32 weights (megatron's torch fallback) keeps fp32 copies of its input and
+    of the normalised product instead of the input; megatron's unfused SwiGLU keeps ``silu(x1)`` and ``x2 + offset`` for the
     product; megatron's RoPE keeps rotated copies of Q and K (the unrotated QKV output stays
     alive too, as V is a view of it) and bf16 cos/sin tables for the whole sequence; TSP
     keeps only fp32 frequencies for its own tokens.
@@ -77,7 +79,9 @@ def activation_terms(args, mode: str) -> Dict[str, Dict[str, float]]:
     if mode != "tsp":
         formula["activation output (fc2 input)"] = e * tokens * f
     implementation = {}
-    if args.normalization == "RMSNorm":
+    if args.normalization == "RMSNorm" and fused_norm:
+        implementation["RMSNorm: fp32 rstd per token (2 norms)"] = 2 * 4 * tokens
+    elif args.normalization == "RMSNorm":
         implementation["torch RMSNorm: fp32 input and product, not bf16 input"] = 2 * (8 - e) * tokens * h
     if args.swiglu and mode != "tsp":
         implementation["unfused SwiGLU: silu(x1) and x2 + offset, kept by the product"] = 2 * e * tokens * f
@@ -173,33 +177,43 @@ def _optimizer_tensors(optimizer) -> List[torch.Tensor]:
 
 
 def plan(values: Dict, mode: str, world_size: Optional[int] = None, cp: int = 2,
-         attention_backend: str = "auto", per_layer: bool = False) -> Dict:
+         attention_backend: str = "auto", per_layer: bool = False, device: Device = CPU,
+         fused_norm: bool = True) -> Dict:
     """Peak memory by category, FLOPs and communication of one training step of rank 0 of a
     ``world_size`` job (default: one replica), at full size, under FakeTensorMode; with
-    ``per_layer``, also every tensor the first layer keeps for backward (``saved_per_layer``)."""
+    ``per_layer``, also every tensor the first layer keeps for backward (``saved_per_layer``).
+
+    ``device``: where the fake tensors live. The CPU plans the same step anywhere; ``cuda``
+    runs the GPU code path (GPU initialisation, GPU attention kernels through their meta
+    functions, every collective checked to move GPU tensors) and needs a CUDA runtime, real
+    or the tests' stand-in. ``fused_norm``: see :func:`megatron_tsp.core.norm.implementation`."""
     mode = get_mode(mode)
-    args = mode.args(values, cp)
+    # Built where it runs: FakeTensorMode cannot move a module between devices, and where the
+    # weights were initialised does not change the step's memory.
+    args = mode.args(dict(values, use_cpu_initialization=False), cp)
     world_size = world_size or cfg.model_parallel_size(args)
-    with fake_world(world_size):
-        return _run(args, mode, world_size, StorageTracker(fake_scalars=True), attention_backend, fake=True,
-                    per_layer=per_layer)
+    with fake_world(world_size), counts.devices_checked(device.torch):
+        return _run(args, mode, world_size, StorageTracker(fake_scalars=True), attention_backend, device,
+                    fake=True, per_layer=per_layer, fused_norm=fused_norm)
 
 
-def measure(values: Dict, mode: str, cp: int = 2, attention_backend: str = "auto") -> Dict:
+def measure(values: Dict, mode: str, device: Device, cp: int = 2, attention_backend: str = "auto") -> Dict:
     """The same step for real, on this rank of the current process group (the planner's
     check: with real tensors the tracker must see what it sees under FakeTensorMode)."""
     mode = get_mode(mode)
     return _run(mode.args(values, cp), mode, dist.get_world_size(), StorageTracker(fake_scalars=False),
-                attention_backend, fake=False)
+                attention_backend, device, fake=False)
 
 
-def _run(args, mode: Mode, world_size: int, tracker: StorageTracker, attention_backend: str, fake: bool,
-         per_layer: bool = False) -> Dict:
-    # Fake tensors have no values to seed; megatron's RNG bookkeeping is off (_valueless).
-    initialize(args, seed=not fake, create_gloo_process_groups=False)
+def _run(args, mode: Mode, world_size: int, tracker: StorageTracker, attention_backend: str, device: Device,
+         fake: bool, per_layer: bool = False, fused_norm: bool = True) -> Dict:
+    # Fake tensors have no values to seed; megatron's RNG bookkeeping is off (_valueless). The
+    # communicators' warm-up moves fake tensors too.
+    with FakeTensorMode() if fake else contextlib.nullcontext():
+        initialize(args, device, seed=not fake, create_gloo_process_groups=False)
     saved = SavedTensors(tracker) if per_layer else None
     try:
-        static, flops, records = _step(args, mode, tracker, attention_backend, fake, saved)
+        static, flops, records = _step(args, mode, tracker, attention_backend, device, fake, saved, fused_norm)
     finally:
         destroy_model_parallel()
     extra = {"saved_per_layer": saved.layer()} if saved else {}
@@ -219,8 +233,8 @@ def _run(args, mode: Mode, world_size: int, tracker: StorageTracker, attention_b
     }
 
 
-def _step(args, mode: Mode, tracker, attention_backend, fake: bool = True,
-          saved_log: Optional[SavedTensors] = None):
+def _step(args, mode: Mode, tracker, attention_backend, device: Device, fake: bool = True,
+          saved_log: Optional[SavedTensors] = None, fused_norm: bool = True):
     """Build model and optimizer and run one step under ``tracker``; with ``fake``, under
     FakeTensorMode (else for real, to check the planner against); ``saved_log`` records what
     autograd keeps."""
@@ -230,8 +244,8 @@ def _step(args, mode: Mode, tracker, attention_backend, fake: bool = True,
             stack.enter_context(ctx)
         # No gradient clipping: megatron's torch fallback for the norm reads values (scalars,
         # no memory to speak of). No gloo groups: the fake backend has no peers.
-        _, model, optimizer = build(args, mode, attention_backend, clip_grad=0.0, use_gloo_process_groups=False,
-                                    transformer_engine=False)
+        _, model, optimizer = build(args, device, mode, attention_backend, clip_grad=0.0,
+                                    use_gloo_process_groups=False, transformer_engine=False, fused_norm=fused_norm)
         _create_adam_moments(optimizer)  # steady state: Adam moments exist
         chunk = model[0]
         grads = [b.grad_data for b in chunk.buffers + chunk.expert_parallel_buffers]
@@ -244,7 +258,7 @@ def _step(args, mode: Mode, tracker, attention_backend, fake: bool = True,
         static = sum(tracker.live.values())
         tracker.reset_peak()
 
-        batch = make_batch(args.micro_batch_size, args.seq_length, args.vocab_size)  # values unused when fake
+        batch = make_batch(args.micro_batch_size, args.seq_length, args.vocab_size, 0, device.torch)
 
         def pack(t):
             tracker.tag([t], "activations", only_from=("temporaries", "communication"))
@@ -259,26 +273,28 @@ def _step(args, mode: Mode, tracker, attention_backend, fake: bool = True,
         receive = lambda t: tracker.tag([t], "communication", only_from=("temporaries",))
         flops_before, attention_before = tracker.flops, tracker.attention_flops
         with saved, counts.count_collectives(on_output=receive) as records:
-            step.train_step(model, optimizer, [batch], 1, args.seq_length, args.micro_batch_size,
-                            batch_transform=mode.batch_transform(args))
+            result = step.train_step(model, optimizer, [batch], 1, args.seq_length, args.micro_batch_size,
+                                     batch_transform=mode.batch_transform(args))
+            step.global_losses([result["loss"]])
     flops = {"total": tracker.flops - flops_before, "attention": tracker.attention_flops - attention_before}
     return static, flops, records
 
 
 def plan_modes(config_path: str, modes: List[str], world_size: Optional[int] = None, cp: int = 2,
-               overrides: Optional[Dict] = None, per_layer: bool = False) -> Dict:
+               overrides: Optional[Dict] = None, per_layer: bool = False, fused_norm: bool = True) -> Dict:
     values = cfg.load_config(config_path)
     values.update(overrides or {})
     check_layouts(values, modes, world_size, cp, "--world-size")  # before the first (slow) plan
-    results = {name: plan(copy.deepcopy(values), name, world_size, cp, per_layer=per_layer) for name in modes}
+    results = {name: plan(copy.deepcopy(values), name, world_size, cp, per_layer=per_layer, fused_norm=fused_norm)
+               for name in modes}
     if per_layer:
         for name, r in results.items():
             args = get_mode(name).args(values, cp)
             if args.recompute_granularity is None and name in ("tsp", "tp-sp"):
-                r["activation_terms"] = activation_terms(args, name)
+                r["activation_terms"] = activation_terms(args, name, fused_norm)
     seq = get_mode(modes[0]).args(values, cp).seq_length
-    return {"setup": run_record(config=config_path, world_size=world_size), "config": config_path,
-            "seq_length": seq, "modes": results}
+    return {"setup": run_record(config=config_path, world_size=world_size, fused_norm=fused_norm),
+            "config": config_path, "seq_length": seq, "fused_norm": fused_norm, "modes": results}
 
 
 def table(result: Dict) -> str:

@@ -1,5 +1,6 @@
 """From resolved arguments to megatron-core objects: the TransformerConfig, the process
-groups, and the model and optimizer of a mode (the one build every command and test uses)."""
+groups, and the model and optimizer of a mode on a device (the one build every command and
+test uses)."""
 
 from __future__ import annotations
 
@@ -13,13 +14,16 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_tsp.core.parallel_state import initialize_model_parallel
+from megatron_tsp.device import Device
 from megatron_tsp.run import data, modes, step
 from megatron_tsp.run.compat import enable_cpu_support
 from megatron_tsp.run.modes import Mode
 
 
-def transformer_config(args) -> TransformerConfig:
-    on_gpu = torch.cuda.is_available()
+def transformer_config(args, device: Device) -> TransformerConfig:
+    """``use_cpu_initialization`` on the CPU, and where asked for (``--use-cpu-initialization``:
+    the same weights at every TP/TSP size, what a comparison of modes needs); else megatron
+    initialises each shard on the GPU."""
     dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
     recompute = {}
     if args.recompute_granularity:
@@ -52,9 +56,9 @@ def transformer_config(args) -> TransformerConfig:
         fp16=args.fp16,
         params_dtype=dtype,
         pipeline_dtype=dtype,
-        use_cpu_initialization=not on_gpu,
+        use_cpu_initialization=args.use_cpu_initialization or not device.is_gpu,
         bias_activation_fusion=False,
-        masked_softmax_fusion=on_gpu,
+        masked_softmax_fusion=False,  # no megatron softmax: every mode attends with block_attention
         **recompute,
     )
 
@@ -72,15 +76,18 @@ def model_args(args) -> Dict[str, Any]:
     return out
 
 
-def initialize(args, seed: bool = True, **megatron_kwargs) -> None:
-    """Process groups of the run (TSP, or TP/CP for a baseline) and, with ``seed``, the RNGs."""
-    if not torch.cuda.is_available():
+def initialize(args, device: Device, seed: bool = True, **megatron_kwargs) -> None:
+    """Process groups of the run (TSP, or TP/CP for a baseline) with their communicators
+    created on ``device``, and, with ``seed``, the RNGs. On the CPU, megatron-core's CPU
+    shims first (:mod:`compat`)."""
+    if not device.is_gpu:
         enable_cpu_support()
     initialize_model_parallel(
         tsp_size=args.tsp_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         context_parallel_size=args.context_parallel_size,
+        device=device.torch,
         **megatron_kwargs,
     )
     if seed:
@@ -88,15 +95,16 @@ def initialize(args, seed: bool = True, **megatron_kwargs) -> None:
         model_parallel_cuda_manual_seed(args.seed)
 
 
-def build(args, mode: Optional[Mode] = None, attention_backend: str = "auto", clip_grad: Optional[float] = None,
-          use_gloo_process_groups: bool = True, transformer_engine: bool = True):
-    """(TransformerConfig, DDP model chunks, optimizer) of the run, as megatron-core builds them.
-    ``mode`` defaults to the one ``args`` runs in (``tsp-no-overlap`` is the one it cannot
-    tell); ``transformer_engine``: see :meth:`Mode.spec`."""
-    config = transformer_config(args)
-    spec = (mode or modes.of(args)).spec(args, config, attention_backend, transformer_engine)
+def build(args, device: Device, mode: Optional[Mode] = None, attention_backend: str = "auto",
+          clip_grad: Optional[float] = None, use_gloo_process_groups: bool = True, transformer_engine: bool = True,
+          fused_norm: bool = True):
+    """(TransformerConfig, DDP model chunks, optimizer) of the run on ``device``, as megatron-core
+    builds them. ``mode`` defaults to the one ``args`` runs in (``tsp-no-overlap`` is the one
+    it cannot tell); ``transformer_engine``, ``fused_norm``: see :meth:`Mode.spec`."""
+    config = transformer_config(args, device)
+    spec = (mode or modes.of(args)).spec(args, config, attention_backend, transformer_engine, fused_norm)
     model = step.build_model(
-        config, spec, data.padded_vocab(args),
+        config, spec, data.padded_vocab(args), device.torch,
         args.max_position_embeddings,
         position_embedding_type=args.position_embedding_type,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
@@ -117,14 +125,19 @@ def build(args, mode: Optional[Mode] = None, attention_backend: str = "auto", cl
     return config, model, optimizer
 
 
-def stepper(args, mode: Optional[Mode] = None, **build_kwargs) -> Callable[[], Dict]:
-    """Build the model of ``mode`` and return a function that trains one micro-batch step on
-    a new batch each call (seeds 0, 1, 2, ...: step n of every mode sees the same tokens),
-    returning :func:`step.train_step`'s result: what the benchmark and the GPU check time."""
+def stepper(args, device: Device, mode: Optional[Mode] = None, **build_kwargs) -> Callable[[], Dict]:
+    """Build the model of ``mode`` on ``device`` and return a function that trains one
+    micro-batch step on a new batch each call (seeds 0, 1, 2, ...: step n of every mode sees
+    the same tokens), returning :func:`step.train_step`'s result with the loss reduced: what
+    the benchmark and the GPU check time."""
     mode = mode or modes.of(args)
-    _, model, optimizer = build(args, mode, **build_kwargs)
-    device = torch.cuda.current_device() if torch.cuda.is_available() else None
-    batches = data.make_batches(args.micro_batch_size, args.seq_length, args.vocab_size, device)
+    _, model, optimizer = build(args, device, mode, **build_kwargs)
+    batches = data.make_batches(args.micro_batch_size, args.seq_length, args.vocab_size, device.torch)
     transform = mode.batch_transform(args)
-    return lambda: step.train_step(model, optimizer, [next(batches)], 1, args.seq_length, args.micro_batch_size,
-                                   transform)
+
+    def one_step() -> Dict:
+        result = step.train_step(model, optimizer, [next(batches)], 1, args.seq_length, args.micro_batch_size,
+                                 transform)
+        return dict(result, loss=step.global_losses([result["loss"]])[0])
+
+    return one_step

@@ -11,11 +11,12 @@ Two kinds of shim:
   becomes ``device="cpu"``, a ``torch.cuda.FloatTensor`` type check accepts its CPU twin).
   The function is recompiled in its own module's globals, so nothing else about it changes.
 * a few direct replacements (``torch.cuda.current_device`` names the CPU, the RNG tracker
-  keeps CPU generator states, torch norms accept sequence parallelism).
+  keeps CPU generator states, megatron's torch norms accept sequence parallelism).
 
-Nothing here runs when CUDA is available: ``enable_cpu_support()`` returns False and
-changes nothing. On CPU every shim only changes *where* a tensor lives or *which*
-generator a state belongs to, never a value.
+Only a process whose device is the CPU enables them (``build.initialize`` and the worker
+pool, from the :class:`~megatron_tsp.device.Device` chosen at launch): a process that runs
+on a GPU never does, and runs megatron-core unchanged. On the CPU every shim only changes
+*where* a tensor lives or *which* generator a state belongs to, never a value.
 """
 
 from __future__ import annotations
@@ -247,9 +248,12 @@ def _patch_rng() -> None:
 
 
 def _patch_torch_norm() -> None:
-    """transformer/torch_norm.py:32: torch norms refuse sequence_parallel. Accept it and mark
-    the parameters ``sequence_parallel=True`` the way megatron's FusedLayerNorm does, so that
-    finalize_model_grads sums their gradients over the tensor-parallel group."""
+    """transformer/torch_norm.py:32: megatron's torch norms refuse sequence_parallel. Accept it
+    and mark the parameters ``sequence_parallel=True`` the way megatron's FusedLayerNorm does,
+    so that finalize_model_grads sums their gradients over the tensor-parallel group. The
+    project's specs never build this norm (they use ``TSPNorm``, on every device); what does
+    is megatron's default final norm under a bare layer spec (Megatron-LM's ``--spec``),
+    which on a GPU is TransformerEngine's or apex's."""
     from megatron.core.transformer import torch_norm
 
     original_new = torch_norm.WrappedTorchNorm.__new__
@@ -278,17 +282,12 @@ def _with(config, **changes):
     return config
 
 
-def enable_cpu_support() -> bool:
-    """Make megatron-core's GPTModel + DDP + optimizer + schedules path run on CPU.
-
-    Idempotent. Returns True when the shims are active, False (and changes nothing) when
-    CUDA is available.
-    """
+def enable_cpu_support() -> None:
+    """Make megatron-core's GPTModel + DDP + optimizer + schedules path run on CPU (idempotent;
+    for CPU processes only, see the module docstring)."""
     global _ENABLED
-    if torch.cuda.is_available():
-        return False
     if _ENABLED:
-        return True
+        return
     # utils.py:631, tensor_parallel/mappings.py:91/141/148/181, layers.py:552,
     # distributed/param_and_grad_buffer.py:783/800/806 and every other
     # `device=torch.cuda.current_device()` allocate on the current device: name the CPU.
@@ -301,8 +300,11 @@ def enable_cpu_support() -> bool:
     for shim in SHIMS:
         shim.apply()
     _ENABLED = True
-    return True
 
 
-__all__: List[str] = ["enable_cpu_support", "enable_torch_adam_checkpoints",
+def cpu_support_enabled() -> bool:
+    return _ENABLED
+
+
+__all__: List[str] = ["enable_cpu_support", "cpu_support_enabled", "enable_torch_adam_checkpoints",
                       "SHIMS", "TORCH_ADAM_SHIMS"]

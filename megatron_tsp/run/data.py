@@ -142,22 +142,23 @@ def build_train_dataset(args, num_samples: int, data_parallel_size: int):
 
 
 def microbatches(dataset, iteration: int, num_microbatches: int, micro_batch_size: int,
-                 dp_rank: int, dp_size: int) -> List[Dict[str, torch.Tensor]]:
-    """This rank's micro-batches of global batch ``iteration`` (Megatron's sample order)."""
+                 dp_rank: int, dp_size: int, device: torch.device) -> List[Dict[str, torch.Tensor]]:
+    """This rank's micro-batches of global batch ``iteration`` (Megatron's sample order), on
+    ``device``."""
     global_batch = num_microbatches * micro_batch_size * dp_size
     out = []
     for m in range(num_microbatches):
         start = iteration * global_batch + m * micro_batch_size * dp_size + dp_rank * micro_batch_size
         samples = [dataset[(start + i) % len(dataset)] for i in range(micro_batch_size)]
-        batch = {key: torch.stack([torch.as_tensor(s[key]) for s in samples])
+        batch = {key: torch.stack([torch.as_tensor(s[key]) for s in samples]).to(device, non_blocking=True)
                  for key in ("tokens", "labels", "loss_mask", "position_ids")}
         batch["attention_mask"] = None
         out.append(batch)
     return out
 
 
-def make_batch(micro_batch_size: int, seq_length: int, vocab_size: int, seed: int = 0,
-               device=None) -> Dict[str, torch.Tensor]:
+def make_batch(micro_batch_size: int, seq_length: int, vocab_size: int, seed: int,
+               device: torch.device) -> Dict[str, torch.Tensor]:
     """A new micro-batch of uniformly random tokens (benchmark, GPU check, memory planner,
     tests).
 
@@ -165,7 +166,7 @@ def make_batch(micro_batch_size: int, seq_length: int, vocab_size: int, seed: in
     is given in place, so a batch must never be fed twice. The same ``seed`` gives the same
     tokens, so that every mode of a comparison sees the same data.
     """
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator().manual_seed(seed)  # on the CPU: the same tokens on every device
     tokens = torch.randint(0, vocab_size, (micro_batch_size, seq_length + 1), generator=g).to(device)
     return {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
             "loss_mask": torch.ones(micro_batch_size, seq_length, device=device),
@@ -173,7 +174,7 @@ def make_batch(micro_batch_size: int, seq_length: int, vocab_size: int, seed: in
             "attention_mask": None}
 
 
-def make_batches(micro_batch_size: int, seq_length: int, vocab_size: int, device=None):
+def make_batches(micro_batch_size: int, seq_length: int, vocab_size: int, device: torch.device):
     """:func:`make_batch` with seeds 0, 1, 2, ...: step n of every mode gets the same tokens."""
     for seed in itertools.count():
         yield make_batch(micro_batch_size, seq_length, vocab_size, seed, device)

@@ -1,4 +1,4 @@
-"""Run a function on N gloo ranks on this machine, with a deadline.
+"""Run a function on N ranks on this machine, with a deadline.
 
 Used by the tests (one long-lived pool per world size, so worker start-up and imports are
 paid once) and by ``megatron-tsp train --nproc N`` on a machine without torchrun. A rank
@@ -24,6 +24,7 @@ import traceback
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, List, Optional
 
+from megatron_tsp.device import Device
 from megatron_tsp.errors import UserError
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -113,8 +114,19 @@ def _reset() -> None:
         dist.destroy_process_group()
 
 
+_DEVICE: Optional[Device] = None
+
+
+def worker_device() -> Device:
+    """The device of this worker process (its rank's GPU, or the CPU), chosen at its start."""
+    if _DEVICE is None:
+        raise RuntimeError("worker_device() is for functions run by a WorkerPool")
+    return _DEVICE
+
+
 def _worker(rank: int, world_size: int, port: int, conn: Connection, path: List[str],
-            collective_timeout_s: float) -> None:
+            collective_timeout_s: float, device_type: Optional[str]) -> None:
+    global _DEVICE
     sys.path[:] = path
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
@@ -123,9 +135,12 @@ def _worker(rank: int, world_size: int, port: int, conn: Connection, path: List[
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    from megatron_tsp.run.compat import enable_cpu_support
+    _DEVICE = Device("cpu") if device_type == "cpu" else Device.from_launch(local_rank=rank)
+    _DEVICE.activate()
+    if not _DEVICE.is_gpu:
+        from megatron_tsp.run.compat import enable_cpu_support
 
-    enable_cpu_support()
+        enable_cpu_support()
     _env(rank, world_size, port)
     timeout = datetime.timedelta(seconds=collective_timeout_s)
     store = dist.TCPStore("127.0.0.1", port, world_size, is_master=rank == 0, timeout=timeout)
@@ -142,7 +157,7 @@ def _worker(rank: int, world_size: int, port: int, conn: Connection, path: List[
         task_id += 1
         try:
             # A fresh world group per task, rendezvous keys scoped to the task.
-            dist.init_process_group("gloo", store=dist.PrefixStore(f"task{task_id}", store),
+            dist.init_process_group(_DEVICE.backend, store=dist.PrefixStore(f"task{task_id}", store),
                                     rank=rank, world_size=world_size, timeout=timeout)
             result = fn(*args, **kwargs)
             conn.send(("ok", result))
@@ -153,10 +168,12 @@ def _worker(rank: int, world_size: int, port: int, conn: Connection, path: List[
 
 
 class WorkerPool:
-    """``world_size`` processes, reused across calls; each call runs in a fresh gloo group."""
+    """``world_size`` processes, reused across calls; each call runs in a fresh process group.
+    Rank r runs on GPU r (modulo the GPUs there are; NCCL/RCCL) where torch sees GPUs, else
+    on the CPU (gloo); ``device_type="cpu"`` keeps it on the CPU (the tests)."""
 
     def __init__(self, world_size: int, collective_timeout_s: float = 120.0,
-                 start_timeout_s: float = 180.0):
+                 start_timeout_s: float = 180.0, device_type: Optional[str] = None):
         self.world_size = world_size
         ctx = mp.get_context("spawn")
         port = free_port()
@@ -171,7 +188,7 @@ class WorkerPool:
                 parent, child = ctx.Pipe()
                 proc = ctx.Process(
                     target=_worker,
-                    args=(rank, world_size, port, child, list(sys.path), collective_timeout_s),
+                    args=(rank, world_size, port, child, list(sys.path), collective_timeout_s, device_type),
                     # not daemonic: megatron's checkpoint writer starts processes of its own.
                     # A worker exits when its pipe to the parent closes.
                     daemon=False,

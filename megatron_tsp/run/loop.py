@@ -13,9 +13,8 @@ import datetime
 import json
 import math
 import os
-import resource
 import time
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -23,43 +22,47 @@ from megatron.core import parallel_state as mpu
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
+from megatron_tsp.device import Device
 from megatron_tsp.errors import TrainingStopped
 from megatron_tsp.run import checkpointing, data, modes, step
 from megatron_tsp.run.build import build, initialize, model_args
 from megatron_tsp.run.flops import flops_per_sequence_from_args
 
 
-def check_finite(args, iteration: int, result: Dict[str, Any]) -> None:
-    """Megatron-LM's ``--check-for-nan-in-loss-and-grad`` (on by default): stop on a NaN/Inf
-    loss or gradient norm (the same on every rank, so every rank stops) before it is saved.
-    A step the fp16 loss scaler skipped (overflow) is not an error; without clipping there
-    is no norm."""
-    loss, grad_norm = result["loss"], result["grad_norm"]
-    norm_checked = args.clip_grad > 0 and result["update_successful"]
-    finite = math.isfinite(loss) and (not norm_checked or math.isfinite(grad_norm))
-    if args.check_for_nan_in_loss_and_grad and not finite:
-        raise TrainingStopped(
-            f"iteration {iteration}: lm loss {loss}, grad norm {grad_norm}: not finite, training stopped "
-            f"(nothing saved from this step). Usual causes: a damaged checkpoint, --lr {args.lr} too high, "
-            f"fp16 overflow; --no-check-for-nan-in-loss-and-grad turns this check off")
+def check_grad_norm(args, iteration: int, result: Dict[str, Any]) -> None:
+    """Megatron-LM's ``--check-for-nan-in-loss-and-grad`` (on by default), on the gradient norm
+    of every step (the optimizer has read it anyway): stop on NaN/Inf, the same on every rank,
+    before the step is saved. A step the fp16 loss scaler skipped (overflow) is not an
+    error; without clipping there is no norm. The loss is checked by :func:`check_losses`."""
+    checked = args.check_for_nan_in_loss_and_grad and args.clip_grad > 0 and result["update_successful"]
+    if checked and not math.isfinite(result["grad_norm"]):
+        raise _not_finite(args, iteration, "grad norm", result["grad_norm"])
 
 
-def _peak_memory_gib() -> float:
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated() / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30  # peak RSS
+def check_losses(args, first_iteration: int, losses: List[float]) -> None:
+    """The same check on the losses of iterations ``first_iteration, ...`` (read once per log
+    interval and before every save, so the host seldom waits for the device)."""
+    for i, loss in enumerate(losses):
+        if args.check_for_nan_in_loss_and_grad and not math.isfinite(loss):
+            raise _not_finite(args, first_iteration + i, "lm loss", loss)
 
 
-def _rng_state() -> Dict[str, Any]:
+def _not_finite(args, iteration: int, what: str, value: float) -> TrainingStopped:
+    return TrainingStopped(
+        f"iteration {iteration}: {what} {value}: not finite, training stopped "
+        f"(nothing saved from this step). Usual causes: a damaged checkpoint, --lr {args.lr} too high, "
+        f"fp16 overflow; --no-check-for-nan-in-loss-and-grad turns this check off")
+
+
+def _rng_state(device: Device) -> Dict[str, Any]:
     return {"cpu": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states(),
-            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+            "cuda": device.rng_state()}
 
 
-def _set_rng_state(state: Dict[str, Any]) -> None:
+def _set_rng_state(device: Device, state: Dict[str, Any]) -> None:
     torch.set_rng_state(state["cpu"])
     get_cuda_rng_tracker().set_states(state["tracker"])
-    if state["cuda"] is not None:
-        torch.cuda.set_rng_state(state["cuda"])
+    device.set_rng_state(state["cuda"])
 
 
 class Logger:
@@ -101,7 +104,7 @@ def scheduler_for(args, optimizer) -> OptimizerParamScheduler:
     )
 
 
-def resume(args, model, optimizer, scheduler) -> int:
+def resume(args, device: Device, model, optimizer, scheduler) -> int:
     """Load the newest checkpoint under ``--load`` (model, optimizer, scheduler, RNGs); the
     iteration to start from."""
     found = checkpointing.latest(args.load)
@@ -113,57 +116,73 @@ def resume(args, model, optimizer, scheduler) -> int:
     common, rng = checkpointing.load(path, model, optimizer, per_rank=True, model_args=model_args(args))
     scheduler.load_state_dict(common["scheduler"])
     if rng is not None:
-        _set_rng_state(rng)
+        _set_rng_state(device, rng)
     if dist.get_rank() == 0:
         print(f" loaded checkpoint {path} at iteration {common['iteration']}", flush=True)
     return common["iteration"]
 
 
-def save(args, done: int, model, optimizer, scheduler) -> None:
+def save(args, device: Device, done: int, model, optimizer, scheduler) -> None:
     path = checkpointing.save_iteration(
         args.save, done, model, optimizer,
         common={"iteration": done, "scheduler": scheduler.state_dict(), "model_args": model_args(args)},
-        per_rank=_rng_state())
+        per_rank=_rng_state(device))
     if dist.get_rank() == 0:
         print(f" saved checkpoint {path}", flush=True)
 
 
-def train(args, log_path: Optional[str] = None, collective_timeout_min: float = 10.0) -> Dict[str, Any]:
+def train(args, device: Device, log_path: Optional[str] = None, collective_timeout_min: float = 10.0
+          ) -> Dict[str, Any]:
     """Run on every rank of an initialised process group whose job passed
-    ``preflight.check_run`` (data present, batch sizes dividing); returns the last log record."""
-    initialize(args, distributed_timeout_minutes=collective_timeout_min)
+    ``preflight.check_run`` (data present, batch sizes dividing); returns the last log record.
+
+    Losses stay on the device until a log line or a checkpoint needs them: one reduction
+    over the pipeline and data-parallel groups then (:func:`step.global_losses`)."""
+    initialize(args, device, distributed_timeout_minutes=collective_timeout_min)
     dp, dp_rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
     global_batch = args.global_batch_size or args.micro_batch_size * dp
     num_microbatches = global_batch // (args.micro_batch_size * dp)
-    _, model, optimizer = build(args)
+    _, model, optimizer = build(args, device)
     scheduler = scheduler_for(args, optimizer)
-    start = resume(args, model, optimizer, scheduler)
+    start = resume(args, device, model, optimizer, scheduler)
     dataset = data.build_train_dataset(args, args.train_iters * global_batch, dp)
     transform = modes.of(args).batch_transform(args)
     flops_per_step = flops_per_sequence_from_args(args, data.padded_vocab(args)) * global_batch
     logger = Logger(log_path)
     record: Dict[str, Any] = {}
+    pending: List[torch.Tensor] = []  # device losses of the iterations since the last read
+    interval_start = time.perf_counter()
     for iteration in range(start, args.train_iters):
-        batches = data.microbatches(dataset, iteration, num_microbatches, args.micro_batch_size, dp_rank, dp)
-        t0 = time.perf_counter()
+        batches = data.microbatches(dataset, iteration, num_microbatches, args.micro_batch_size, dp_rank, dp,
+                                    device.torch)
         result = step.train_step(model, optimizer, batches, num_microbatches, args.seq_length,
                                  args.micro_batch_size, batch_transform=transform)
-        elapsed = time.perf_counter() - t0
         done = iteration + 1
-        check_finite(args, done, result)
+        check_grad_norm(args, done, result)
+        pending.append(result["loss"])
         lr = optimizer.param_groups[0]["lr"]
         scheduler.step(increment=1)
+        logged = done % args.log_interval == 0 or done == args.train_iters
+        saved = args.save and (done == args.train_iters or (args.save_interval and done % args.save_interval == 0))
+        if not (logged or saved):
+            continue
+        losses = step.global_losses(pending)  # waits for the device
+        check_losses(args, done - len(pending) + 1, losses)
+        # per iteration, averaged over the interval (as Megatron-LM reports it)
+        elapsed = (time.perf_counter() - interval_start) / len(pending)
+        pending = []
         record = {
             "iteration": done, "train_iters": args.train_iters,
             "consumed_samples": done * global_batch, "global_batch_size": global_batch,
-            "loss": result["loss"], "lr": lr, "grad_norm": result["grad_norm"],
+            "loss": losses[-1], "lr": lr, "grad_norm": result["grad_norm"],
             "elapsed_ms": elapsed * 1e3,
             "tokens_per_s": global_batch * args.seq_length / elapsed,
             "tflops_per_device": flops_per_step / elapsed / dist.get_world_size() / 1e12,
-            "peak_memory_gib": _peak_memory_gib(),
+            "peak_memory_gib": device.peak_memory_gib(),
         }
-        if done % args.log_interval == 0 or done == args.train_iters:
+        if logged:
             logger.log(record)
-        if args.save and (done == args.train_iters or (args.save_interval and done % args.save_interval == 0)):
-            save(args, done, model, optimizer, scheduler)
+        if saved:
+            save(args, device, done, model, optimizer, scheduler)
+        interval_start = time.perf_counter()
     return record

@@ -13,11 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Optional, Tuple
 
-import torch
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 from megatron.core.utils import get_batch_on_this_cp_rank
 
-from megatron_tsp.core.baselines import get_gpt_layer_baseline_spec
+from megatron_tsp.core.baselines import get_gpt_block_baseline_spec
 from megatron_tsp.core.spec import get_gpt_block_tsp_spec
 from megatron_tsp.core.zigzag import zigzag_batch
 from megatron_tsp.env import transformer_engine_version
@@ -59,20 +58,22 @@ class Mode:
         """The resolved arguments of ``values`` laid out as this mode."""
         return config.resolve(self.values(values, cp))
 
-    def spec(self, args, transformer_config, attention_backend: str = "auto", transformer_engine: bool = True):
-        """What GPTModel takes as ``transformer_layer_spec``: the TSP block spec (its final
-        norm accepts sequence parallelism where megatron's torch norm would not); else
-        megatron's TransformerEngine layer spec where TE runs and ``transformer_engine``
-        allows it, else the local layer spec with the attention op TSP uses (baselines.py).
+    def spec(self, args, transformer_config, attention_backend: str = "auto", transformer_engine: bool = True,
+             fused_norm: bool = True):
+        """What GPTModel takes as ``transformer_layer_spec``: the TSP block spec; else
+        megatron's TransformerEngine layer spec where TE is installed (it only imports with a
+        GPU) and ``transformer_engine`` allows it; else the baseline block spec: megatron's
+        local layers with the attention op TSP uses and its norms (baselines.py).
         Comparisons pass ``transformer_engine=False`` so that every mode runs the same
-        attention kernels."""
+        attention kernels; ``fused_norm``: see :func:`megatron_tsp.core.norm.implementation`."""
         if self.tsp_layers:
             return get_gpt_block_tsp_spec(transformer_config, qk_layernorm=args.qk_layernorm,
-                                          attention_backend=attention_backend, overlap_comm=self.overlap_comm)
-        if transformer_engine and torch.cuda.is_available() and transformer_engine_version() is not None:
+                                          attention_backend=attention_backend, overlap_comm=self.overlap_comm,
+                                          fused_norm=fused_norm)
+        if transformer_engine and transformer_engine_version() is not None:
             return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_layernorm)
-        return get_gpt_layer_baseline_spec(qk_layernorm=args.qk_layernorm, normalization=args.normalization,
-                                           attention_backend=attention_backend)
+        return get_gpt_block_baseline_spec(transformer_config, qk_layernorm=args.qk_layernorm,
+                                           attention_backend=attention_backend, fused_norm=fused_norm)
 
     def batch_transform(self, args) -> Optional[Callable]:
         """Zigzag order for TSP; megatron's context-parallel slice for CP; nothing otherwise."""

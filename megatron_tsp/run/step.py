@@ -8,6 +8,7 @@ Nothing here knows about TSP except that a batch may need to be put into zigzag 
 
 from __future__ import annotations
 
+import itertools
 from functools import partial
 from typing import Callable, Dict, Iterable, List, Optional
 
@@ -31,12 +32,18 @@ def build_model(
     config: TransformerConfig,
     layer_spec: ModuleSpec,
     vocab_size: int,
+    device: torch.device,
     max_sequence_length: int,
     position_embedding_type: str = "rope",
     share_embeddings_and_output_weights: bool = True,
     ddp_config: Optional[DistributedDataParallelConfig] = None,
 ) -> List[DistributedDataParallel]:
-    """One ``GPTModel`` for this pipeline stage, wrapped in megatron DDP (a list of chunks)."""
+    """One ``GPTModel`` for this pipeline stage on ``device``, wrapped in megatron DDP (a list
+    of chunks). With ``config.use_cpu_initialization`` the model is built on the CPU and, as
+    Megatron-LM's ``get_model`` does, moved to the device before DDP lays its parameters and
+    gradients out in buffers there; otherwise every tensor must have been created there (a
+    module that initialises on the CPU and is moved afterwards costs the host the full
+    tensor, at 7B scale)."""
     config.finalize_model_grads_func = finalize_model_grads
     model = GPTModel(
         config=config,
@@ -48,6 +55,14 @@ def build_model(
         share_embeddings_and_output_weights=share_embeddings_and_output_weights,
         position_embedding_type=position_embedding_type,
     )
+    misplaced = [(name, t.device) for name, t in itertools.chain(model.named_parameters(), model.named_buffers())
+                 if t.device != device]
+    if misplaced and not config.use_cpu_initialization:
+        name, where = misplaced[0]
+        raise RuntimeError(f"{name} was created on {where}, not on {device}: with GPU initialisation every "
+                           "parameter and buffer is created on the device")
+    if misplaced:
+        model.to(device)
     # bf16/fp16 runs create their parameters in that dtype (config.params_dtype); megatron's
     # Float16Module would only cast them again (and cannot, under the memory planner's
     # FakeTensorMode).
@@ -117,11 +132,10 @@ def train_step(
     micro_batch_size: int,
     batch_transform: Optional[Callable[[Batch], Batch]] = None,
 ) -> Dict[str, float]:
-    """One optimizer step over ``num_microbatches``; returns the loss and the grad norm.
-
-    The loss is averaged over micro-batches and data-parallel replicas and is the same on
-    every rank (it is broadcast from the last pipeline stage).
-    """
+    """One optimizer step over ``num_microbatches``: ``loss``, this rank's mean loss over its
+    micro-batches as a tensor on the model's device (zero off the last pipeline stage; read
+    no value here, so that the host does not wait for the device), the grad norm and whether
+    the update was applied. :func:`global_losses` reduces the losses of several steps."""
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
@@ -135,14 +149,22 @@ def train_step(
         forward_only=False,
     )
     update_successful, grad_norm, _ = optimizer.step()
-    loss = torch.zeros(1, dtype=torch.float64)
     if mpu.is_pipeline_last_stage():
-        loss[0] = sum(float(x["lm loss"]) for x in losses) / num_microbatches
-    torch.distributed.all_reduce(loss, group=mpu.get_pipeline_model_parallel_group())
-    torch.distributed.all_reduce(loss, group=mpu.get_data_parallel_group())
-    loss /= mpu.get_data_parallel_world_size()
+        loss = torch.stack([x["lm loss"].reshape(()).float() for x in losses]).mean()
+    else:
+        loss = torch.zeros((), device=next(model[0].parameters()).device)
     return {
-        "loss": float(loss[0]),
+        "loss": loss,
         "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
         "update_successful": bool(update_successful),
     }
+
+
+def global_losses(losses: List[torch.Tensor]) -> List[float]:
+    """The losses of several steps (:func:`train_step`'s), each averaged over data-parallel
+    replicas and taken from the last pipeline stage: two all-reduces on the device for all
+    of them, then one read by the host."""
+    stacked = torch.stack(losses)
+    torch.distributed.all_reduce(stacked, group=mpu.get_pipeline_model_parallel_group())
+    torch.distributed.all_reduce(stacked, group=mpu.get_data_parallel_group())
+    return (stacked / mpu.get_data_parallel_world_size()).tolist()

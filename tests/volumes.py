@@ -1,9 +1,10 @@
 """Bytes received per rank per layer, from the formulas of DESIGN.md section 5.
 
-Written from the design, not from the code, so that tests can hold the counted traffic of
-the real modules (``comm.COUNTER``) against it (the performance model counts the real
-modules instead, with the memory planner). ``e`` is bytes per element; every result is a dict
-``{"forward": {primitive: bytes}, "backward": {primitive: bytes}}``.
+Written from the design, not from the code, so that the tests can hold the traffic of the
+real modules, counted by ``megatron_tsp.measure.counts``, against it (the performance model
+counts the real modules instead, with the memory planner). ``e`` is bytes per element of
+the model; TSP's gradients (partial weight gradients, dK/dV) travel in fp32. Every result
+is a dict ``{"forward": {primitive: bytes}, "backward": {primitive: bytes}}``.
 """
 
 from __future__ import annotations
@@ -34,20 +35,23 @@ def mlp_weight_elements(hidden: int, ffn: int, gated: bool, fc1_bias: bool) -> i
 def tsp_attention(seq: int, batch: int, hidden: int, heads: int, groups: int, head_dim: int,
                   tsp: int, e: int, qkv_bias: bool = False) -> Volumes:
     """Weights by broadcast, K/V by all-gather; backward re-broadcasts, re-gathers K/V,
-    reduce-scatters dK/dV and reduces dW to the owner."""
-    weights = _share(e * attention_weight_elements(hidden, heads, groups, head_dim, qkv_bias), tsp)
-    kv = _share(e * 2 * seq * batch * groups * head_dim, tsp)
+    reduce-scatters dK/dV and reduces dW to the owner (both in fp32)."""
+    weight_elements = attention_weight_elements(hidden, heads, groups, head_dim, qkv_bias)
+    kv_elements = 2 * seq * batch * groups * head_dim
+    weights, kv = _share(e * weight_elements, tsp), _share(e * kv_elements, tsp)
     return {
         "forward": {"broadcast": weights, "all_gather": kv},
-        "backward": {"broadcast": weights, "all_gather": kv, "reduce_scatter": kv, "reduce": weights},
+        "backward": {"broadcast": weights, "all_gather": kv, "reduce_scatter": _share(4 * kv_elements, tsp),
+                     "reduce": _share(4 * weight_elements, tsp)},
     }
 
 
 def tsp_mlp(hidden: int, ffn: int, tsp: int, e: int, gated: bool = False,
             fc1_bias: bool = False) -> Volumes:
-    """Weights around the ring; backward: weights again plus the travelling gradients."""
-    weights = _share(e * mlp_weight_elements(hidden, ffn, gated, fc1_bias), tsp)
-    return {"forward": {"send_recv": weights}, "backward": {"send_recv": 2 * weights}}
+    """Weights around the ring; backward: weights again plus the travelling gradients (fp32)."""
+    elements = mlp_weight_elements(hidden, ffn, gated, fc1_bias)
+    weights = _share(e * elements, tsp)
+    return {"forward": {"send_recv": weights}, "backward": {"send_recv": weights + _share(4 * elements, tsp)}}
 
 
 def tp_sp_layer(seq: int, batch: int, hidden: int, tp: int, e: int) -> Volumes:

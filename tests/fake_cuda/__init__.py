@@ -1,0 +1,162 @@
+"""A GPU training step on this CPU: every tensor on device ``cuda`` under FakeTensorMode,
+torch's ``fake`` process group, GPU kernels through their meta functions.
+
+What a CPU build of torch lacks for that is supplied by stand-ins, none of which computes:
+
+* ``runtime.cpp``, a CUDA device guard and CUDA hooks (compiled here once per torch build
+  with the C++ compiler torch extensions use, loaded before torch is imported), without
+  which autograd cannot run on fake CUDA tensors;
+* the ``torch.cuda`` functions a one-GPU process calls (:func:`install_torch_cuda`);
+* flash-attn 2.8's entry points (``tests/standins/flash_attn``);
+* what torch's GPU attention kernels require of their inputs beyond what their meta
+  functions check (:func:`install_kernel_contracts`).
+
+:func:`run` starts a fresh Python that loads them and plans one training step of rank 0
+(``megatron_tsp.measure.memory.plan`` with ``device=cuda``: the build, the batch, the step
+and the loss reduction of a GPU run, every collective checked to move CUDA tensors) per
+case, and returns what each case raised, if anything. Importing this package does not
+import torch.
+"""
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.path.dirname(HERE)
+ROOT = os.path.dirname(TESTS)
+SOURCE = os.path.join(HERE, "runtime.cpp")
+
+
+def build() -> str:
+    """The runtime library for the torch of this Python (compiled on first use, into
+    ``build/fake_cuda/``)."""
+    import torch
+    from torch.utils import cpp_extension
+
+    with open(SOURCE, "rb") as f:
+        digest = hashlib.sha1(f.read() + torch.__version__.encode()).hexdigest()[:12]
+    out = os.path.join(ROOT, "build", "fake_cuda", f"runtime-{digest}.so")
+    if os.path.exists(out):
+        return out
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    lib = os.path.join(os.path.dirname(torch.__file__), "lib")
+    cxx = os.environ.get("CXX", "c++")
+    cmd = [cxx, "-O1", "-std=c++20", "-shared", "-fPIC", "-w", SOURCE, "-o", out + ".tmp",
+           *(f"-I{p}" for p in cpp_extension.include_paths()), f"-I{sysconfig.get_paths()['include']}",
+           f"-L{lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}"]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+    os.replace(out + ".tmp", out)
+    return out
+
+
+def run(cases, timeout_s: float = 900.0):
+    """Plan every case (``{"config", "mode", "overrides", "backend", "fused_norm"}``) in a
+    fresh process on fake CUDA; the per-case results (``{"case", "error", ...}``)."""
+    library = build()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, ROOT, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-m", "fake_cuda", library], input=json.dumps(cases), cwd=TESTS,
+                          env=env, capture_output=True, text=True, timeout=timeout_s)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the fake-CUDA process failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def install_torch_cuda() -> None:
+    """``torch.cuda`` as a process on one GPU sees it (a CPU build's functions raise), and
+    the two ways megatron-core puts a CPU tensor of values on the GPU, ``torch.tensor(data,
+    device="cuda")`` and ``tensor.cuda()``: a CPU build cannot run either even under
+    FakeTensorMode (the copy to the device happens below the dispatcher, or runs for real on
+    a constant), so they make an empty tensor of the same shape and dtype on the device,
+    which the fake mode fakes (fake tensors hold no values). ``pin_memory`` is dropped."""
+    import torch
+    from torch._subclasses.fake_tensor import is_fake
+
+    stand_ins = {
+        "is_available": lambda: True,
+        "device_count": lambda: 1,
+        "current_device": lambda: 0,
+        "set_device": lambda device: None,
+        "synchronize": lambda device=None: None,
+        "get_device_name": lambda device=None: "fake CUDA device",
+        "get_device_capability": lambda device=None: (9, 0),
+        "max_memory_allocated": lambda device=None: 0,
+        "reset_peak_memory_stats": lambda device=None: None,
+    }
+    for name, fn in stand_ins.items():
+        setattr(torch.cuda, name, fn)
+
+    tensor, cuda = torch.tensor, torch.Tensor.cuda
+
+    def tensor_on_fake_cuda(data, *args, device=None, pin_memory=False, **kwargs):
+        if device is not None and torch.device(device).type == "cuda":
+            like = tensor(data, *args, **kwargs)
+            return torch.empty(like.shape, dtype=like.dtype, device=device)
+        return tensor(data, *args, device=device, **kwargs)
+
+    def to_fake_cuda(self, device=None, non_blocking=False, **kwargs):
+        if is_fake(self):
+            return cuda(self, device, non_blocking, **kwargs)
+        return torch.empty(self.shape, dtype=self.dtype, device="cuda" if device is None else device)
+
+    torch.tensor = tensor_on_fake_cuda
+    torch.Tensor.cuda = to_fake_cuda
+
+
+def _bshd(t) -> bool:
+    """Memory laid out as a [b, s, h, d] tensor (seen as [b, h, s, d])."""
+    return t.transpose(1, 2).is_contiguous()
+
+
+def install_kernel_contracts() -> None:
+    """Wrap torch's GPU attention kernels with what their CUDA implementations assume of
+    their inputs and their meta functions do not check (DESIGN.md section 12): the
+    log-sum-exp each backward reads, in the shape its forward wrote it, and the memory layout
+    of ``out``/``grad_out`` (the memory-efficient backward reads them as ``[b, s, h, d]``
+    tensors; cuDNN's wants both with the same strides)."""
+    import torch
+
+    aten = torch.ops.aten
+    version = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+
+    def expect(ok, kernel, what):
+        if not ok:
+            raise RuntimeError(f"{kernel}: {what}")
+
+    def flash_backward(grad_out, q, k, v, out, lse, *args, **kwargs):
+        expect(tuple(lse.shape) == (q.size(0), q.size(1), q.size(2)), "flash backward", f"lse {tuple(lse.shape)}")
+        return flash_backward.original(grad_out, q, k, v, out, lse, *args, **kwargs)
+
+    def cudnn_backward(grad_out, q, k, v, out, lse, *args, **kwargs):
+        want = (q.size(0), q.size(1), q.size(2)) + ((1,) if version >= (2, 9) else ())
+        expect(tuple(lse.shape) == want, "cuDNN backward", f"lse {tuple(lse.shape)}, wants {want}")
+        expect(grad_out.stride() == out.stride(), "cuDNN backward", "grad_out and out strides differ")
+        return cudnn_backward.original(grad_out, q, k, v, out, lse, *args, **kwargs)
+
+    def efficient_backward(grad_out, q, k, v, bias, out, lse, *args, **kwargs):
+        want = (q.size(0), q.size(1), -(-q.size(2) // 32) * 32)
+        expect(tuple(lse.shape) == want, "efficient backward", f"lse {tuple(lse.shape)}, wants {want}")
+        expect(_bshd(out) and _bshd(grad_out), "efficient backward", "out/grad_out not in [b, s, h, d] memory")
+        return efficient_backward.original(grad_out, q, k, v, bias, out, lse, *args, **kwargs)
+
+    for name, check in (("_scaled_dot_product_flash_attention_backward", flash_backward),
+                        ("_scaled_dot_product_cudnn_attention_backward", cudnn_backward),
+                        ("_scaled_dot_product_efficient_attention_backward", efficient_backward)):
+        check.original = getattr(aten, name)
+        setattr(aten, name, _Checked(check))
+
+
+class _Checked:
+    """An op packet whose call checks a contract first (attributes: the original's)."""
+
+    def __init__(self, check):
+        self.check = check
+
+    def __call__(self, *args, **kwargs):
+        return self.check(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.check.original, name)

@@ -1,0 +1,47 @@
+"""The fake-CUDA process: ``python -m fake_cuda RUNTIME.so < cases.json`` (see __init__)."""
+
+import ctypes
+import json
+import os
+import sys
+import traceback
+
+ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_GLOBAL)  # before torch: see runtime.cpp
+
+import torch  # noqa: E402
+
+import fake_cuda  # noqa: E402
+
+fake_cuda.install_torch_cuda()
+sys.path.insert(0, os.path.join(fake_cuda.TESTS, "standins"))  # flash_attn
+
+from megatron_tsp.device import Device  # noqa: E402
+from megatron_tsp.measure import memory  # noqa: E402
+from megatron_tsp.run import compat  # noqa: E402
+from megatron_tsp.run import config as cfg  # noqa: E402
+
+fake_cuda.install_kernel_contracts()  # after megatron-core's imports, which register aten ops by name
+
+
+def one(case):
+    values = cfg.load_config(os.path.join(fake_cuda.ROOT, case["config"]))
+    values.update(case.get("overrides", {}))
+    result = memory.plan(values, case["mode"], attention_backend=case.get("backend", "auto"),
+                         device=Device("cuda"), fused_norm=case.get("fused_norm", True))
+    return {"peak_gib": result["peak_gib"], "flops": result["flops_per_rank"]}
+
+
+def main():
+    results = []
+    for case in json.load(sys.stdin):
+        try:
+            results.append({"case": case, "error": None, **one(case)})
+        except Exception as exc:  # noqa: BLE001 - reported per case
+            results.append({"case": case, "error": f"{type(exc).__name__}: {exc}",
+                            "traceback": traceback.format_exc()})
+    # a GPU process never enables megatron-core's CPU shims (they would put tensors on the CPU)
+    results.append({"case": "cpu shims", "error": "enabled" if compat.cpu_support_enabled() else None})
+    print(json.dumps(results))
+
+
+main()

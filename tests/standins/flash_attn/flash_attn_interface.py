@@ -1,0 +1,71 @@
+"""flash-attn 2.8.3's ``_flash_attn_forward`` / ``_flash_attn_backward``: same names,
+parameters, outputs and conventions, computed by fp32 softmax attention (tests only)."""
+
+from typing import Optional, Tuple
+
+import torch
+
+
+def _scores(q, k, causal, scale):
+    """[b, h, sq, sk] fp32 scores of [b, s, h, d] inputs; causal aligned bottom-right."""
+    heads = q.size(2)
+    k = k.repeat_interleave(heads // k.size(2), dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float()) * scale
+    if causal:
+        sq, sk = q.size(1), k.size(1)
+        s = s.masked_fill(torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu(sk - sq + 1), float("-inf"))
+    return s
+
+
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, softmax_scale: float,
+             causal: bool, window_size_left: int, window_size_right: int, softcap: float,
+             alibi_slopes: Optional[torch.Tensor], return_softmax: bool
+             ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    assert dropout_p == 0.0 and softcap == 0.0 and alibi_slopes is None and (window_size_left, window_size_right) == (-1, -1)
+    s = _scores(q, k, causal, softmax_scale)
+    lse = torch.logsumexp(s, dim=-1)
+    v = v.repeat_interleave(q.size(2) // v.size(2), dim=2)
+    out = torch.einsum("bhqk,bkhd->bqhd", torch.exp(s - lse.unsqueeze(-1)), v.float()).to(q.dtype)
+    return out, lse, torch.empty(0, dtype=q.dtype, device=q.device), torch.empty(2, dtype=torch.int64, device=q.device)
+
+
+def _forward_fake(q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap,
+                  alibi_slopes, return_softmax):
+    b, sq, h, _ = q.shape
+    return (torch.empty_like(q), q.new_empty((b, h, sq), dtype=torch.float32), q.new_empty(0),
+            q.new_empty(2, dtype=torch.int64))
+
+
+def _backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+              softmax_lse: torch.Tensor, dq: Optional[torch.Tensor], dk: Optional[torch.Tensor],
+              dv: Optional[torch.Tensor], dropout_p: float, softmax_scale: float, causal: bool,
+              window_size_left: int, window_size_right: int, softcap: float, alibi_slopes: Optional[torch.Tensor],
+              deterministic: bool, rng_state: Optional[torch.Tensor] = None) -> torch.Tensor:
+    assert softmax_lse.shape == (q.size(0), q.size(2), q.size(1)), "lse must be [b, h, sq]"
+    groups = q.size(2) // k.size(2)
+    p = torch.exp(_scores(q, k, causal, softmax_scale) - softmax_lse.unsqueeze(-1))
+    do = dout.float()
+    vr = v.repeat_interleave(groups, dim=2).float()
+    kr = k.repeat_interleave(groups, dim=2).float()
+    dv_full = torch.einsum("bhqk,bqhd->bkhd", p, do)
+    dp = torch.einsum("bqhd,bkhd->bhqk", do, vr)
+    delta = (do * out.float()).sum(-1).transpose(1, 2)  # [b, h, sq]
+    ds = p * (dp - delta.unsqueeze(-1)) * softmax_scale
+    dq.copy_(torch.einsum("bhqk,bkhd->bqhd", ds, kr))
+    dk.copy_(torch.einsum("bhqk,bqhd->bkhd", ds, q.float()).unflatten(2, (k.size(2), groups)).sum(3))
+    dv.copy_(dv_full.unflatten(2, (v.size(2), groups)).sum(3))
+    return delta
+
+
+def _backward_fake(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal, window_size_left,
+                   window_size_right, softcap, alibi_slopes, deterministic, rng_state=None):
+    b, sq, h, _ = q.shape
+    return q.new_empty((b, h, -(-sq // 128) * 128), dtype=torch.float32)
+
+
+_flash_attn_forward = torch.library.custom_op("flashattn_standin::_flash_attn_forward", mutates_args=(),
+                                              device_types=None)(_forward)
+_flash_attn_forward.register_fake(_forward_fake)
+_flash_attn_backward = torch.library.custom_op("flashattn_standin::_flash_attn_backward",
+                                               mutates_args=("dq", "dk", "dv"), device_types=None)(_backward)
+_flash_attn_backward.register_fake(_backward_fake)

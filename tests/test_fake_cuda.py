@@ -1,0 +1,54 @@
+"""The GPU code path on this CPU: one training step of rank 0 of every mode, with every
+tensor on device ``cuda`` (FakeTensorMode), torch's ``fake`` process group and the GPU
+attention kernels through their meta functions (tests/fake_cuda). A tensor on the wrong
+device, a collective on a CPU tensor, a kernel called with the wrong arguments or an lse of
+the wrong shape fails its case, as it would on a GPU."""
+
+import json
+import os
+import shutil
+
+import pytest
+
+import fake_cuda
+
+MODES = ("tsp", "tsp-no-overlap", "tp", "tp-sp", "tp-cp")
+BACKENDS = ("flash", "cudnn", "efficient", "flash_attn")
+TINY, SEVEN_B = "configs/tiny-cpu.yaml", "configs/7b/128k-tsp8.yaml"
+ODD = {"bf16": True, "seq_length": 120, "max_position_embeddings": 120}  # zigzag chunks of 30 and 60 tokens
+CASES = (
+    # every GPU kernel, bf16, on the default config at a length no kernel tile divides
+    [dict(config=TINY, mode=m, backend=b, overrides=ODD) for m in MODES for b in BACKENDS]
+    # the default config as it is (fp32: auto picks the memory-efficient kernel)
+    + [dict(config=TINY, mode=m) for m in MODES]
+    # the paper's 7B at 128K (D=8, bf16, full recompute) at 2 layers, auto (the flash kernel)
+    + [dict(config=SEVEN_B, mode=m, overrides={"num_layers": 2}) for m in MODES]
+)
+
+
+def _key(case):
+    return json.dumps(case, sort_keys=True)
+
+
+@pytest.fixture(scope="module")
+def results():
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        pytest.skip("no C++ compiler to build the fake CUDA runtime (tests/fake_cuda/runtime.cpp)")
+    return {_key(r["case"]): r for r in fake_cuda.run(CASES)}
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{os.path.basename(c['config'])}-{c['mode']}-{c.get('backend', 'auto')}"
+                                             for c in CASES])
+def test_a_gpu_training_step_runs(results, case):
+    result = results[_key(case)]
+    assert result["error"] is None, result["traceback"]
+    assert result["peak_gib"] > 0 and result["flops"] > 0
+
+
+def test_a_gpu_process_never_enables_the_cpu_shims(results):
+    assert results[_key("cpu shims")]["error"] is None
+
+
+def test_tsp_needs_less_memory_at_long_context(results):
+    peak = {m: results[_key(dict(config=SEVEN_B, mode=m, overrides={"num_layers": 2}))]["peak_gib"] for m in MODES}
+    assert peak["tsp"] < peak["tp"]
