@@ -163,7 +163,7 @@ def _cmd_memory(ns: argparse.Namespace) -> int:
     from megatron_tsp.run import config
 
     result = memory.plan_modes(ns.config, ns.modes, world_size=ns.world_size, cp=ns.cp,
-                               overrides=config.overrides(ns), per_layer=ns.per_layer)
+                               overrides=config.overrides(ns), per_layer=ns.per_layer, fused_norm=ns.fused_norm)
     print(memory.table(result))
     if ns.per_layer:
         print(memory.per_layer_table(result))
@@ -179,7 +179,8 @@ def _cmd_predict(ns: argparse.Namespace) -> int:
     from megatron_tsp.run import config
 
     hw = perfmodel.load_hardware(ns.hardware)
-    result = perfmodel.predict(ns.config, hw, ns.nodes, ns.modes, ns.cp, ns.sweep, config.overrides(ns))
+    result = perfmodel.predict(ns.config, hw, ns.nodes, ns.modes, ns.cp, ns.sweep, config.overrides(ns),
+                               fused_norm=ns.fused_norm)
     print(perfmodel.table(result))
     if ns.json:
         _write_json(ns.json, result)
@@ -191,7 +192,8 @@ def _cmd_plan(ns: argparse.Namespace) -> int:
     from megatron_tsp.run import config
 
     hw = perfmodel.load_hardware(ns.hardware)
-    result = plan.plan(ns.config, hw, ns.nodes, ns.modes, ns.cp, ns.scenario, ns.grid, config.overrides(ns))
+    result = plan.plan(ns.config, hw, ns.nodes, ns.modes, ns.cp, ns.scenario, ns.grid, config.overrides(ns),
+                       fused_norm=ns.fused_norm)
     text = plan.table(result)
     if ns.out:
         _write_json(ns.out + ".json", result)
@@ -226,6 +228,19 @@ def _cmd_bench(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_gpu_check(ns: argparse.Namespace) -> int:
+    from megatron_tsp.measure import gpucheck
+    from megatron_tsp.run import config
+
+    path = ns.config or os.path.join(os.path.dirname(default_config_path()), "7b", "128k-tsp8.yaml")
+    config.resolve(dict(config.load_config(path), **config.overrides(ns)))  # one line for a bad config, now
+    _write(ns.out, "", "--out")  # and for an output that cannot be written, before any work
+    result = gpucheck.run(ns.out, path, ns.modes, ns.steps, config.overrides(ns), ns.budget_s)
+    print(gpucheck.summary(result))
+    print("wrote", ns.out)
+    return 0
+
+
 def _number(kind: type, low: float, what: str):
     """An argparse type: a ``kind`` number >= ``low`` (one usage line otherwise)."""
     def parse(text: str):
@@ -257,8 +272,16 @@ def _int_list(text: str) -> List[int]:
     return [POSITIVE_INT(x) for x in _name_list(text)]
 
 
+def _add_fused_norm(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--fused-norm", action=argparse.BooleanOptionalAction, default=True,
+                        help="plan norms that keep their input and per-token statistics (TransformerEngine, apex, "
+                             "TSP's RMSNorm; default), or torch's RMSNorm with fp32 weights, which keeps fp32 copies "
+                             "(--no-fused-norm: megatron-core's torch fallback)")
+
+
 def _add_cluster_arguments(parser: argparse.ArgumentParser, modes: str) -> None:
     """CONFIG, the GPU profile, the job's size and the modes to compare (predict, plan)."""
+    _add_fused_norm(parser)
     parser.add_argument("config", help="YAML config")
     parser.add_argument("--hardware", required=True, help="configs/hardware/<name>.yaml")
     parser.add_argument("--nodes", type=POSITIVE_INT, default=1, help="nodes of the job")
@@ -322,6 +345,7 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--plot", help="write a stacked bar chart (PNG) here")
     mem.add_argument("--per-layer", action="store_true",
                      help="list every tensor layer 0 keeps for backward, and the analytic formula")
+    _add_fused_norm(mem)
     config.add_arguments(mem, keys=["num_layers", "seq_length", "max_position_embeddings",
                                     "micro_batch_size", "recompute_granularity"])
     mem.set_defaults(func=_cmd_memory)
@@ -365,6 +389,21 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument("--out", default="bench/results", help="output folder")
     bn.add_argument("--name", default="bench-cpu", help="file stem of the results")
     bn.set_defaults(func=_cmd_bench)
+
+    gc = sub.add_parser(
+        "gpu-check", parents=[common], help="attention backends and one rank of a D=8 job per mode on this GPU",
+        description="What one GPU shows: every attention backend against the math reference and timed at "
+                    "8K-128K, then rank 0 of the config's job per mode with the fake process group (real "
+                    "kernels, no-op collectives): peak memory against the planner and compute per step. "
+                    "Results are written as they come.")
+    gc.add_argument("--config", default=None, help="YAML config (default: configs/7b/128k-tsp8.yaml)")
+    gc.add_argument("--modes", type=_name_list, default="tsp,tp-sp,tp-cp", help="comma-separated modes")
+    gc.add_argument("--steps", type=POSITIVE_INT, default=2, help="timed steps per mode (after one warm-up)")
+    gc.add_argument("--budget-s", type=POSITIVE_FLOAT, default=420.0,
+                    help="time budget: what does not fit is recorded as skipped")
+    gc.add_argument("--out", default="bench/results/gpu-check.json", help="results file (JSON)")
+    config.add_arguments(gc, keys=["num_layers", "seq_length", "max_position_embeddings", "micro_batch_size"])
+    gc.set_defaults(func=_cmd_gpu_check)
 
     cmp = sub.add_parser("compare", parents=[common],
                          help="table of several runs' iteration logs (JSON lines or Megatron text)")

@@ -67,7 +67,8 @@ class Step(NamedTuple):
 
 
 def setup(mode, model="modern", tsp=1, tp=1, cp=1, pp=1, recompute=None, overlap_grad_reduce=False,
-          use_distributed_optimizer=True, block_spec=False, init=True, **config_overrides):
+          use_distributed_optimizer=True, block_spec=False, init=True, grad_reduce_in_fp32=False,
+          with_optimizer=True, **config_overrides):
     """Process groups (unless ``init`` is false), model (DDP-wrapped chunks), optimizer and
     batch transform for a mode: ``single``/``tp``/``tp-sp`` (stock local spec), ``tp-cp``
     (baseline spec, TP+SP x CP), ``tsp``; ``config_overrides`` go to the TransformerConfig.
@@ -102,11 +103,12 @@ def setup(mode, model="modern", tsp=1, tp=1, cp=1, pp=1, recompute=None, overlap
     chunks = training.build_model(
         config, spec, VOCAB, torch.device("cpu"), SEQ, position_embedding_type=position_embedding_type,
         ddp_config=DistributedDataParallelConfig(use_distributed_optimizer=use_distributed_optimizer,
-                                                 overlap_grad_reduce=overlap_grad_reduce),
+                                                 overlap_grad_reduce=overlap_grad_reduce,
+                                                 grad_reduce_in_fp32=grad_reduce_in_fp32),
     )
     optimizer = training.build_optimizer(
         chunks, OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=1.0, weight_decay=0.01,
-                                use_distributed_optimizer=use_distributed_optimizer))
+                                use_distributed_optimizer=use_distributed_optimizer)) if with_optimizer else None
     transform = {"tsp": lambda b: zigzag_batch(b, tsp), "tp-cp": get_batch_on_this_cp_rank}.get(mode)
     return chunks, optimizer, transform
 

@@ -264,7 +264,7 @@ _KERNELS = {"flash": _Flash, "cudnn": _CuDNN, "efficient": _Efficient, "flash_at
             "math": _Math}
 
 
-def _flash_attn_installed() -> bool:
+def flash_attn_installed() -> bool:
     try:
         import flash_attn  # noqa: F401
     except ImportError:
@@ -276,7 +276,7 @@ def select_backend(name: str) -> str:
     """Validate a backend name when a module is built (``auto`` is resolved per call)."""
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)} (got {name!r})")
-    if name == "flash_attn" and not _flash_attn_installed():
+    if name == "flash_attn" and not flash_attn_installed():
         raise ValueError("attention_backend 'flash_attn' needs the flash-attn package; install it or use 'auto'")
     return name
 

@@ -1,85 +1,198 @@
-"""One-GPU check: rank 0 of a D=8 job on real kernels, against the memory planner.
+"""One-GPU check (``megatron-tsp gpu-check``, ``scripts/gpu_check.sh``): what one GPU shows.
 
-Runs one rank of the 7B / 128K configuration per mode on this machine's GPU with torch's
-``fake`` process-group backend (collectives are no-ops, every kernel is real): peak
-``torch.cuda.max_memory_allocated`` of a training step against the planner's prediction
-for the same rank, and the per-rank compute time of TSP against TP+SP (no communication
-is timed: that is the performance model's part). Writes one JSON file.
+Two parts, each written to the results file as soon as it is done (a run cut short keeps
+what it measured), within a time budget:
 
-    python -m megatron_tsp.measure.gpucheck --out bench/results/gpu-check.json     (scripts/gpu_check.sh)
+1. **Attention backends.** Every backend this GPU runs (``flash``, ``cudnn``, ``efficient``,
+   ``flash_attn`` where installed) through the block attention op, forward and backward:
+   correctness against ``math`` in the real layout (micro-batch 2, GQA, a zigzag rank's
+   chunks; the first use of a backend also checks it and learns its causal alignment),
+   then time at 8K-128K for one head group of a TSP rank of D=8 of the 7B (its two query
+   chunks against all keys), and agreement between the backends there.
+2. **One rank of a D=8 job per mode**, with torch's ``fake`` process group (every kernel
+   real, collectives no-ops) at a layer count that fits the budget: peak
+   ``torch.cuda.max_memory_allocated`` against the memory planner's plan of the same rank
+   on the same device, and compute seconds per step (TSP against TP+SP). Models are freed
+   between modes, so that each peak is its own.
+
+On a machine without a GPU part 1 is skipped and part 2 runs the CPU path (the script's
+logic, tested in the suite).
 """
 
 from __future__ import annotations
 
-import argparse
+import gc
 import json
 import os
+import statistics
 import time
-from typing import Dict
+from typing import Callable, Dict, List, Optional
 
 import torch
 
-from megatron_tsp.core.parallel_state import destroy_model_parallel
+from megatron_tsp.core import block_attention as ops
+from megatron_tsp.device import Device
 from megatron_tsp.env import run_record
 from megatron_tsp.measure import memory
 from megatron_tsp.run import config as cfg
 from megatron_tsp.run.build import initialize, stepper
 from megatron_tsp.run.modes import get_mode
+from megatron_tsp.core.parallel_state import destroy_model_parallel
+
+SEQS = (8192, 32768, 131072)
 
 
-def check_mode(values: Dict, mode: str, steps: int) -> Dict:
-    planned = memory.plan(dict(values), mode)
-    args = get_mode(mode).args(values)
-    on_gpu = torch.cuda.is_available()
-    with memory.fake_world(cfg.model_parallel_size(args)):
-        initialize(args, create_gloo_process_groups=False)
+def _timed(fn: Callable[[], object], device: Device, repeats: int = 3) -> float:
+    fn()  # warm-up (and the backend's own check)
+    times = []
+    for _ in range(repeats):
+        device.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        device.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _problem(seq: int, ranks: int, chunk_ids, batch: int, q_heads: int, kv_heads: int, head_dim: int,
+             device: Device, dtype: torch.dtype, seed: int = 0):
+    """q (a zigzag rank's chunks of a sequence cut in ``2 x ranks``), k, v (all keys) and dout,
+    in megatron's ``[s, b, h, d]`` layout."""
+    g = torch.Generator().manual_seed(seed)
+    n_q = seq // (2 * ranks) * len(chunk_ids)
+
+    def rand(s, h):
+        return torch.randn(s, batch, h, head_dim, generator=g).to(device=device.torch, dtype=dtype)
+
+    return rand(n_q, q_heads).requires_grad_(), rand(seq, kv_heads).requires_grad_(), \
+        rand(seq, kv_heads).requires_grad_(), rand(n_q, q_heads)
+
+
+def _fwd_bwd(backend: str, q, k, v, dout, chunk_ids, scale: float):
+    out = ops.block_attention(q, k, v, chunk_ids, scale, backend)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    return out, grads
+
+
+def check_backends(device: Device, seqs, budget_end: float, save: Callable[[], None], result: Dict) -> None:
+    if not device.is_gpu:
+        result["backends"] = {"skipped": "no GPU"}
+        return
+    dtype, part = torch.bfloat16, result.setdefault("backends", {})
+    names = [b for b in ops.GPU_BACKENDS if b != "flash_attn" or ops.flash_attn_installed()]
+    # correctness: rank 1 of D=8 (chunks 1 and 14 of 16), 64-token chunks, GQA 8:2, micro-batch 2
+    chunk_ids, scale = [1, 14], 128 ** -0.5
+    q, k, v, dout = _problem(1024, 8, chunk_ids, 2, 8, 2, 128, device, dtype)
+    ref_out, ref_grads = _fwd_bwd("math", q, k, v, dout, chunk_ids, scale)
+    for name in names:
+        entry = part.setdefault(name, {})
         try:
-            step = stepper(args, get_mode(mode), clip_grad=0.0, use_gloo_process_groups=False,
-                           transformer_engine=False)
-            step()  # warm-up; also creates Adam's moments
-            if on_gpu:
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-            times = []
-            for _ in range(steps):
-                t0 = time.perf_counter()
-                step()
-                if on_gpu:
-                    torch.cuda.synchronize()
-                times.append(time.perf_counter() - t0)
-            peak = torch.cuda.max_memory_allocated() / 2**30 if on_gpu else None
-        finally:
-            destroy_model_parallel()
-    return {"parallel": planned["parallel"], "measured_peak_gib": peak, "planned_peak_gib": planned["peak_gib"],
-            "planned_by_category_gib": planned["by_category_gib"], "step_s": times,
-            "compute_s_median": sorted(times)[len(times) // 2], "flops_per_rank": planned["flops_per_rank"]}
+            out, grads = _fwd_bwd(name, q, k, v, dout, chunk_ids, scale)
+            entry["max_rel_err_vs_math"] = {
+                n: float((a.float() - b.float()).abs().max() / b.float().abs().max())
+                for n, a, b in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref_out, *ref_grads))}
+            entry["bottom_right_causal"] = ops.bottom_right(name, device.torch, dtype)
+        except Exception as exc:  # noqa: BLE001 - a backend this GPU or torch lacks is a result
+            entry["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        save()
+    # speed: one head group of a TSP rank of D=8 of the 7B (4 heads of 128), chunks 0 and 15
+    working = [n for n in names if "error" not in part[n]]
+    for seq in seqs:
+        if time.monotonic() > budget_end:
+            part.setdefault("skipped", []).append(f"S={seq}: time budget")
+            continue
+        q, k, v, dout = _problem(seq, 8, [0, 15], 1, 4, 4, 128, device, dtype, seed=seq)
+        outputs = {}
+        for name in working:
+            try:
+                part[name].setdefault("fwd_bwd_ms", {})[seq] = 1e3 * _timed(
+                    lambda: _fwd_bwd(name, q, k, v, dout, [0, 15], scale), device)
+                outputs[name] = _fwd_bwd(name, q, k, v, dout, [0, 15], scale)[0].float()
+            except Exception as exc:  # noqa: BLE001 - out of memory at 128K, say
+                part[name].setdefault("errors_at", {})[seq] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+            save()
+        base = next(iter(outputs.values()), None)
+        for name, out in outputs.items():
+            part[name].setdefault("max_rel_diff_vs_" + working[0], {})[seq] = float(
+                (out - base).abs().max() / base.abs().max())
+        del q, k, v, dout, outputs, base
+        torch.cuda.empty_cache()
+        save()
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                                        "configs", "7b", "128k-tsp8.yaml"))
-    parser.add_argument("--modes", default="tsp,tp-sp,tp-cp")
-    parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--out", default="bench/results/gpu-check.json")
-    cfg.add_arguments(parser, keys=["num_layers", "seq_length", "max_position_embeddings"])
-    ns = parser.parse_args(argv)
-    values = cfg.load_config(ns.config)
-    values.update(cfg.overrides(ns))
-    result = {"setup": run_record(), "config": ns.config, "overrides": cfg.overrides(ns), "modes": {}}
-    for mode in ns.modes.split(","):
-        result["modes"][mode] = r = check_mode(values, mode, ns.steps)
-        print(f"{mode}: compute {r['compute_s_median']:.3f} s/step, peak measured {r['measured_peak_gib']} GiB, "
-              f"planned {r['planned_peak_gib']:.2f} GiB", flush=True)
-    if "tsp" in result["modes"] and "tp-sp" in result["modes"]:
-        result["tsp_vs_tp_sp_compute"] = (result["modes"]["tsp"]["compute_s_median"]
-                                          / result["modes"]["tp-sp"]["compute_s_median"])
-    os.makedirs(os.path.dirname(os.path.abspath(ns.out)), exist_ok=True)
-    with open(ns.out, "w", encoding="utf-8") as f:
-        json.dump(result, f, indent=2)
-    print("wrote", ns.out)
-    return 0
+def check_modes(values: Dict, modes: List[str], steps: int, device: Device, budget_end: float,
+                save: Callable[[], None], result: Dict) -> None:
+    part = result.setdefault("modes", {})
+    for mode in modes:
+        if time.monotonic() > budget_end:
+            part[mode] = {"skipped": "time budget"}
+            save()
+            continue
+        planned = memory.plan(dict(values), mode, device=device)
+        args = get_mode(mode).args(values)
+        entry = part[mode] = {"parallel": planned["parallel"], "planned_peak_gib": planned["peak_gib"],
+                              "planned_by_category_gib": planned["by_category_gib"],
+                              "flops_per_rank": planned["flops_per_rank"]}
+        with memory.fake_world(cfg.model_parallel_size(args)):
+            initialize(args, device, create_gloo_process_groups=False)
+            try:
+                step = stepper(args, device, get_mode(mode), clip_grad=0.0, use_gloo_process_groups=False,
+                               transformer_engine=False)
+                step()  # warm-up; also creates Adam's moments
+                device.synchronize()
+                device.reset_peak_memory()
+                times = []
+                for _ in range(steps):
+                    t0 = time.perf_counter()
+                    step()
+                    device.synchronize()
+                    times.append(time.perf_counter() - t0)
+                entry.update(measured_peak_gib=device.peak_memory_gib() if device.is_gpu else None, step_s=times,
+                             compute_s_median=statistics.median(times))
+            except Exception as exc:  # noqa: BLE001 - out of memory, say: a result, and the next mode runs
+                entry["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            finally:
+                step = None
+                destroy_model_parallel()
+                gc.collect()
+                if device.is_gpu:
+                    torch.cuda.empty_cache()
+        save()
+    if all("compute_s_median" in part.get(m, {}) for m in ("tsp", "tp-sp")):
+        result["tsp_vs_tp_sp_compute"] = part["tsp"]["compute_s_median"] / part["tp-sp"]["compute_s_median"]
+        save()
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+def run(out: str, config_path: str, modes: List[str], steps: int, overrides: Dict, budget_s: float,
+        seqs=SEQS, device: Optional[Device] = None) -> Dict:
+    device = device or Device.from_launch()
+    device.activate()
+    end = time.monotonic() + budget_s
+    values = cfg.load_config(config_path)
+    values.update(overrides)
+    result: Dict = {"setup": run_record(config=config_path, overrides=overrides, modes=modes, steps=steps),
+                    "config": config_path}
+
+    def save() -> None:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out + ".tmp", "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=2, default=str)
+        os.replace(out + ".tmp", out)
+
+    save()
+    check_backends(device, seqs, end - budget_s / 2, save, result)  # half the budget at most
+    check_modes(values, modes, steps, device, end, save, result)
+    return result
+
+
+def summary(result: Dict) -> str:
+    lines = [f"{result['setup'].get('device')}: torch {result['setup'].get('torch')}"]
+    for name, entry in result.get("backends", {}).items():
+        if isinstance(entry, dict):
+            err = entry.get("error") or max(entry.get("max_rel_err_vs_math", {}).values(), default=None)
+            lines.append(f"backend {name}: vs math {err}, fwd+bwd ms {entry.get('fwd_bwd_ms')}")
+    for mode, entry in result.get("modes", {}).items():
+        lines.append(f"{mode}: compute {entry.get('compute_s_median')} s/step, peak measured "
+                     f"{entry.get('measured_peak_gib')} GiB, planned {entry.get('planned_peak_gib')} GiB"
+                     + (f", {entry['error']}" if "error" in entry else ""))
+    return "\n".join(lines)

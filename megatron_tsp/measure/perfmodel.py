@@ -104,13 +104,14 @@ def _axpy(base: Dict, per_layer: Dict, layers: int) -> Dict:
     return _sub(base, per_layer, -layers)
 
 
-def layer_counts(values: Dict, mode: str, world_size: Optional[int] = None, cp: int = 2) -> Dict:
+def layer_counts(values: Dict, mode: str, world_size: Optional[int] = None, cp: int = 2,
+                 fused_norm: bool = True) -> Dict:
     """FLOPs, comm counts and peak memory of one micro-batch step of rank 0:
     ``{"base": ..., "per_layer": ...}`` (the peak is linear in the layer count too: every
     layer keeps the same activations, and the peak falls at the same point of the step)."""
     def counts(layers):
         v = dict(values, num_layers=layers)
-        plan = memory.plan(copy.deepcopy(v), mode, world_size, cp)
+        plan = memory.plan(copy.deepcopy(v), mode, world_size, cp, fused_norm=fused_norm)
         return {"flops": plan["flops_per_rank"], "attention_flops": plan["attention_flops_per_rank"],
                 "comm": plan["comm"], "peak_gib": plan["peak_gib"], "parallel": plan["parallel"]}
 
@@ -155,23 +156,25 @@ def step_time(total: Dict, hw: Hardware, mode: str, scenario: str, world_size: i
 
 
 def predict(config_path: str, hw: Hardware, nodes: int = 1, modes: List[str] = ("tsp", "tp-sp"),
-            cp: int = 2, seq_lengths: Optional[List[int]] = None, overrides: Optional[Dict] = None) -> Dict:
+            cp: int = 2, seq_lengths: Optional[List[int]] = None, overrides: Optional[Dict] = None,
+            fused_norm: bool = True) -> Dict:
     """Step time, tokens/s and MFU per mode at the config's sequence length on ``nodes``
     nodes, and (if ``seq_lengths``) the sweep that locates the TSP / TP+SP crossover."""
     values = cfg.load_config(config_path)
     values.update(overrides or {})
     world = nodes * hw.gpus_per_node
     results: Dict = {"setup": run_record(config=config_path), "config": config_path,
-                     "hardware": hw.__dict__, "nodes": nodes, "modes": {}}
+                     "hardware": hw.__dict__, "nodes": nodes, "fused_norm": fused_norm, "modes": {}}
     base_seq = cfg.resolve(values).seq_length
     check_layouts(values, modes, world, cp, "--nodes x gpus_per_node")  # before the first (slow) count
     for mode in modes:
-        results["modes"][mode] = evaluate(values, mode, hw, world, cp)
+        results["modes"][mode] = evaluate(values, mode, hw, world, cp, fused_norm=fused_norm)
     if seq_lengths:
         sweep = {}
         for seq in seq_lengths:
             v = cfg.at_seq_length(values, seq)
-            sweep[seq] = {mode: evaluate(v, mode, hw, world, cp, brief=True) for mode in ("tsp", "tp-sp")}
+            sweep[seq] = {mode: evaluate(v, mode, hw, world, cp, brief=True, fused_norm=fused_norm)
+                          for mode in ("tsp", "tp-sp")}
         results["sweep"] = sweep
         results["crossover_seq_length"] = {
             key: next((s for s in seq_lengths if sweep[s]["tsp"][key]["step_s"] <= sweep[s]["tp-sp"][key]["step_s"]), None)
@@ -181,11 +184,12 @@ def predict(config_path: str, hw: Hardware, nodes: int = 1, modes: List[str] = (
     return results
 
 
-def evaluate(values: Dict, mode: str, hw: Hardware, world: int, cp: int, brief: bool = False) -> Dict:
+def evaluate(values: Dict, mode: str, hw: Hardware, world: int, cp: int, brief: bool = False,
+             fused_norm: bool = True) -> Dict:
     """Per scenario, step time and cluster tokens/s of ``mode`` on ``world`` GPUs, and rank 0's
     peak memory (``peak_gib``), from one planning at 1 and 2 layers."""
     args = get_mode(mode).args(values, cp)
-    counts = layer_counts(values, mode, world, cp)
+    counts = layer_counts(values, mode, world, cp, fused_norm)
     total = totals_for(counts, args.num_layers)
     d = counts["parallel"]
     replicas = world // (d["tsp"] * d["tp"] * d["cp"] * d["pp"])

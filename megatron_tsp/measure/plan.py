@@ -53,9 +53,11 @@ def usable_gib(hw: perfmodel.Hardware) -> float:
 class Planner:
     """Memoised :func:`perfmodel.evaluate` of (mode, recompute choice, sequence length)."""
 
-    def __init__(self, values: Dict, hw: perfmodel.Hardware, nodes: int, cp: int, scenario: str):
+    def __init__(self, values: Dict, hw: perfmodel.Hardware, nodes: int, cp: int, scenario: str,
+                 fused_norm: bool = True):
         self.values = {k: v for k, v in values.items() if k not in RECOMPUTE_KEYS}
         self.hw, self.world, self.cp, self.scenario = hw, nodes * hw.gpus_per_node, cp, scenario
+        self.fused_norm = fused_norm
         self.limit = usable_gib(hw)
         self._points: Dict = {}
 
@@ -63,7 +65,8 @@ class Planner:
         key = (mode, choice, seq)
         if key not in self._points:
             v = dict(cfg.at_seq_length(self.values, seq), **CHOICES[choice])
-            r = perfmodel.evaluate(copy.deepcopy(v), mode, self.hw, self.world, self.cp, brief=True)
+            r = perfmodel.evaluate(copy.deepcopy(v), mode, self.hw, self.world, self.cp, brief=True,
+                                   fused_norm=self.fused_norm)
             self._points[key] = {"peak_gib": r["peak_gib"], "fits": r["peak_gib"] <= self.limit,
                                  "tokens_per_s": r[self.scenario]["tokens_per_s_cluster"],
                                  "step_s": r[self.scenario]["step_s"], "mfu": r[self.scenario]["mfu"],
@@ -103,17 +106,18 @@ class Planner:
 
 def plan(config_path: str, hw: perfmodel.Hardware, nodes: int = 1, modes: List[str] = ("tsp", "tp-sp", "tp-cp"),
          cp: int = 2, scenario: str = "overlap", grid: Optional[List[int]] = None,
-         overrides: Optional[Dict] = None) -> Dict:
+         overrides: Optional[Dict] = None, fused_norm: bool = True) -> Dict:
     values = cfg.load_config(config_path)
     values.update(overrides or {})
     if scenario not in perfmodel.SCENARIOS:
         raise cfg.ConfigError(f"--scenario {scenario!r}: use one of {', '.join(perfmodel.SCENARIOS)}")
     world = nodes * hw.gpus_per_node
     check_layouts(values, modes, world, cp, "--nodes x gpus_per_node")  # before the first (slow) plan
-    planner = Planner(values, hw, nodes, cp, scenario)
+    planner = Planner(values, hw, nodes, cp, scenario, fused_norm)
     seq = cfg.resolve(values).seq_length
     result = {"setup": run_record(config=config_path), "config": config_path, "hardware": hw.__dict__,
-              "nodes": nodes, "scenario": scenario, "seq_length": seq, "usable_gib": planner.limit,
+              "nodes": nodes, "scenario": scenario, "fused_norm": fused_norm, "seq_length": seq,
+              "usable_gib": planner.limit,
               "reserve": {"fraction": RESERVE_FRACTION, "gib": RESERVE_GIB}, "granularity": GRANULARITY,
               "not_applicable": {f"{m} {c}": why for m in modes for c, why in not_applicable(m).items()},
               "modes": {}}
@@ -131,7 +135,8 @@ def table(result: Dict) -> str:
     hw = result["hardware"]
     lines = [f"{result['config']} on {result['nodes']} node(s) x {hw['gpus_per_node']} {hw['name']} "
              f"({hw['memory_gib']:.1f} GiB; usable {result['usable_gib']:.1f} GiB after a {result['reserve']['fraction']:.0%}"
-             f" + {result['reserve']['gib']:.0f} GiB reserve), tokens/s in scenario '{result['scenario']}'",
+             f" + {result['reserve']['gib']:.0f} GiB reserve), tokens/s in scenario '{result['scenario']}', "
+             + ("fused norms" if result.get("fused_norm", True) else "torch's unfused RMSNorm"),
              "", "| mode | longest S that fits | with recompute |", "|---|---|---|"]
     for mode, r in result["modes"].items():
         longest = f"{r['longest_seq_length']:,}" if r["longest_seq_length"] else "none fits"

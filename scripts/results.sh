@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Regenerates the committed results of bench/results/ that a CPU can produce (memory plans,
+# predictions, plans; the CPU benchmarks have their own commands in docs/results.md).
+#   scripts/results.sh [memory|predict|plan|all]     (about 25 minutes for all on 2 cores)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=bench/results
+what=${1:-all}
+run() { echo "+ $*" >&2; "$@" > /dev/null; }
+
+if [[ $what == memory || $what == all ]]; then
+  for s in 16k 128k; do
+    run megatron-tsp memory "configs/7b/$s-tsp8.yaml" --json "$out/memory-7b-$s.json" --plot "$out/memory-7b-$s.png"
+  done
+  cmd=(megatron-tsp memory configs/7b/128k-tsp8-norecompute.yaml --modes tsp,tp-sp --per-layer
+       --json "$out/memory-7b-128k-per-layer.json")
+  { echo "\`${cmd[*]}\` (CPU planner, FakeTensorMode)"; echo; "${cmd[@]}"; } > "$out/memory-7b-128k-per-layer.md"
+fi
+
+if [[ $what == predict || $what == all ]]; then
+  for gpu in h100 h200 mi300x; do
+    for nodes in 1 128; do
+      run megatron-tsp predict configs/7b/128k-tsp8.yaml --hardware "configs/hardware/$gpu.yaml" --nodes "$nodes" \
+        --json "$out/predict-7b-128k-$gpu-${nodes}node.json"
+    done
+    run megatron-tsp predict configs/7b/128k-tsp8.yaml --hardware "configs/hardware/$gpu.yaml" --nodes 128 \
+      --modes tsp,tp-sp --sweep 4096,8192,16384,32768,65536,131072,262144 --json "$out/predict-7b-sweep-$gpu-128node.json"
+  done
+  run megatron-tsp predict configs/7b/128k-tsp8-norecompute.yaml --hardware configs/hardware/mi300x.yaml --nodes 128 \
+    --modes tsp,tp-sp --sweep 4096,8192,16384,32768,65536,131072,262144 \
+    --json "$out/predict-7b-sweep-norecompute-mi300x-128node.json"
+fi
+
+if [[ $what == plan || $what == all ]]; then
+  grid=32768,65536,131072,262144,524288,1048576
+  for gpu in h100 h200 mi300x; do
+    run megatron-tsp plan configs/7b/128k-tsp8.yaml --hardware "configs/hardware/$gpu.yaml" --grid "$grid" \
+      --out "$out/plan-7b-128k-$gpu"
+  done
+  run megatron-tsp plan configs/llama3-8b/128k-tsp8.yaml --hardware configs/hardware/h100.yaml --grid "$grid" \
+    --out "$out/plan-llama3-8b-128k-h100"
+  # what fused norms change: the same plan with megatron-core's torch RMSNorm fallback
+  run megatron-tsp plan configs/7b/128k-tsp8.yaml --hardware configs/hardware/h100.yaml --no-fused-norm \
+    --out "$out/plan-7b-128k-h100-unfused-norm"
+fi
