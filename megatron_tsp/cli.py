@@ -31,7 +31,7 @@ def _cmd_env(args: argparse.Namespace) -> int:
     else:
         width = max(len(k) for k in info)
         for key, value in info.items():
-            shown = "not installed" if value is None else ("yes" if value is True else "no" if value is False else value)
+            shown = {None: "not installed", True: "yes", False: "no"}.get(value, value)
             print(f"{key:<{width}}  {shown}")
     return 0
 
@@ -337,7 +337,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "the fake process-group backend, for each mode at the same model-parallel "
                     "size, global shapes and recompute setting.")
     mem.add_argument("config", help="YAML config")
-    mem.add_argument("--modes", type=_name_list, default="tsp,tp,tp-sp,tp-cp", help="comma-separated: tsp,tp,tp-sp,tp-cp")
+    mem.add_argument("--modes", type=_name_list, default="tsp,tp,tp-sp,tp-cp",
+                     help="comma-separated: tsp,tp,tp-sp,tp-cp")
     mem.add_argument("--cp", type=POSITIVE_INT, default=2, help="context-parallel size of the tp-cp mode")
     mem.add_argument("--world-size", type=POSITIVE_INT, default=None,
                      help="ranks of the job (default: the model-parallel size, one replica)")
@@ -367,7 +368,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "memory planner) and, at the config's length, every recompute choice with peak memory, "
                     "whether it fits and tokens/s from the performance model.")
     _add_cluster_arguments(pl, modes="tsp,tp-sp,tp-cp")
-    pl.add_argument("--scenario", default="overlap", help="performance-model scenario: overlap, no_tp_overlap, no_overlap")
+    pl.add_argument("--scenario", default="overlap",
+                    help="performance-model scenario: overlap, no_tp_overlap, no_overlap")
     pl.add_argument("--grid", type=_int_list, default=None,
                     help="comma-separated sequence lengths for the picture (every choice at each)")
     pl.add_argument("--out", help="write OUT.json, OUT.md and (with --grid) OUT.png")

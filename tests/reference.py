@@ -117,8 +117,9 @@ def assert_within(per_rank_cases, dtype) -> None:
 
 def init_tsp(tsp_size: int, **kwargs) -> None:
     """TSP groups plus megatron's RNG tracker (stock attention forks it)."""
-    import megatron_tsp
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    import megatron_tsp
 
     megatron_tsp.initialize_model_parallel(tsp_size=tsp_size, **kwargs)
     model_parallel_cuda_manual_seed(1234)

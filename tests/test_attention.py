@@ -6,21 +6,32 @@ import os
 
 import pytest
 import torch
+import volumes
+from conftest import ROOT
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from reference import (
+    SavedBytes,
+    assert_within,
+    configs,
+    init_tsp,
+    local_rows,
+    rel_err,
+    replicated_bias_error,
+    rotary_table,
+    shard_of,
+    solo_pg_collection,
+    summed,
+)
 
 import megatron_tsp
 from megatron_tsp.core.attention import TSPSelfAttention
 from megatron_tsp.core.norm import TSPNorm
 from megatron_tsp.measure import counts
-import volumes
-from conftest import ROOT
-from reference import (SavedBytes, assert_within, configs, init_tsp, local_rows, rel_err,
-                       replicated_bias_error, rotary_table, shard_of, solo_pg_collection, summed)
 
 SEQ, BATCH, HIDDEN, HEADS = 16, 2, 64, 8
 
@@ -311,8 +322,9 @@ def test_flash_attn_backend_with_the_packages_signatures(flash_attn_on_cpu, dtyp
     """flash-attn >= 2.6 hides its signature behind torch.library.custom_op: the backend
     reads the undecorated function's (2.8 needs softcap), and calls one bottom-right causal
     block per query chunk (no merge)."""
-    from megatron_tsp.core import block_attention as kernels
     from flash_attn.flash_attn_interface import _flash_attn_forward
+
+    from megatron_tsp.core import block_attention as kernels
 
     assert "softcap" not in str(inspect.signature(_flash_attn_forward))  # the trap
     for chunk_ids in ([0], [1, 2], [2, 5]):

@@ -6,7 +6,6 @@ baseline spec (stock modules, memory-efficient core attention with all-gather CP
 """
 
 import pytest
-
 from gpt_models import assert_history_close, run
 
 

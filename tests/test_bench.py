@@ -5,11 +5,11 @@ import os
 
 import pytest
 import torch
+from conftest import ROOT
 
 from megatron_tsp.device import CPU
 from megatron_tsp.measure import bench
 from megatron_tsp.run.data import make_batch
-from conftest import ROOT
 
 BENCH_CONFIG = os.path.join(ROOT, "configs", "bench-cpu.yaml")  # RoPE, GQA, SwiGLU, RMSNorm
 

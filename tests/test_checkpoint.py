@@ -7,8 +7,8 @@ checkpoints load back into TSP=2 the same way.
 """
 
 import pytest
-
 from gpt_models import assert_history_close, setup, step
+
 from megatron_tsp.run import checkpointing
 
 BEFORE, AFTER = 3, 2

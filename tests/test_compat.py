@@ -26,7 +26,8 @@ def _shim_checks():
         owner, name = compat._resolve_owner(__import__(shim.module, fromlist=["x"]), shim.qualname)
         fn = inspect.getattr_static(owner, name)
         fn = getattr(fn, "__func__", fn)
-        rewritten.append(fn.__code__.co_filename.startswith("<megatron_tsp.run.compat") and fn.__qualname__ == shim.qualname)
+        rewritten.append(fn.__code__.co_filename.startswith("<megatron_tsp.run.compat")
+                         and fn.__qualname__ == shim.qualname)
     out["rewritten"] = rewritten
     # Causal mask: same values as upstream intends, on the CPU.
     mask = tutils.get_default_causal_mask(5)

@@ -6,9 +6,9 @@ import os
 import re
 
 import pytest
+from conftest import ROOT
 
 from megatron_tsp.run import config
-from conftest import ROOT
 
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "**", "*.yaml"), recursive=True))
 RUN_CONFIGS = [c for c in CONFIGS if "hardware" not in c]

@@ -11,11 +11,10 @@ import os
 import shutil
 
 import pytest
+from conftest import ROOT
 
 from megatron_tsp import cli
-
 from megatron_tsp.run import config, data, preflight
-from conftest import ROOT
 
 TINY = os.path.join(ROOT, "configs", "tiny-cpu.yaml")
 MODEL_7B = os.path.join(ROOT, "configs", "7b", "128k-tsp8.yaml")
@@ -128,8 +127,10 @@ def _train(corpus, *flags):
 
 @pytest.mark.parametrize("flags,message", [
     (["--nproc", "3"], "world size 3 (--nproc"),
-    (["--global-batch-size", "6"], "'global_batch_size' (--global-batch-size) 6 is not divisible by micro_batch_size 4"),
-    (["--tokenizer-type", "GPT2BPETokenizer"], "'tokenizer_type' (--tokenizer-type) 'GPT2BPETokenizer' is not supported"),
+    (["--global-batch-size", "6"],
+     "'global_batch_size' (--global-batch-size) 6 is not divisible by micro_batch_size 4"),
+    (["--tokenizer-type", "GPT2BPETokenizer"],
+     "'tokenizer_type' (--tokenizer-type) 'GPT2BPETokenizer' is not supported"),
     (["--vocab-size", "100"], "is outside the vocabulary of 101 ids (--vocab-size 100 + end-of-document)"),
     (["--recompute-granularity", "selective", "--recompute-modules", "layernorm"], "layernorm needs TransformerEngine"),
 ])

@@ -8,9 +8,8 @@ import json
 import os
 import shutil
 
-import pytest
-
 import fake_cuda
+import pytest
 
 MODES = ("tsp", "tsp-no-overlap", "tp", "tp-sp", "tp-cp")
 BACKENDS = ("flash", "cudnn", "efficient", "flash_attn")

@@ -18,12 +18,13 @@ import time
 import psutil
 import pytest
 import torch.distributed as dist
+from conftest import ROOT
 
 from megatron_tsp.device import CPU
 from megatron_tsp.errors import CheckpointError, TrainingStopped
-from megatron_tsp.run import checkpointing, config, step as training
+from megatron_tsp.run import checkpointing, config
+from megatron_tsp.run import step as training
 from megatron_tsp.run.launch import RankError, WorkerPool
-from conftest import ROOT
 
 TINY = dict(mock_data=True, vocab_size=120, num_layers=1, hidden_size=32, num_attention_heads=4,
             seq_length=16, attention_dropout=0.0, hidden_dropout=0.0, tsp_size=2,
@@ -205,7 +206,8 @@ def test_a_kill_while_writing_the_tracker_leaves_the_previous_one(tmp_path, monk
     ("no-metadata", ".metadata is missing"),
     ("garbage-common", "common.pt: cannot be read"),
     ("other-model", "; hidden_size 32 there, 64 in this run;"),
-    ("other-vocabulary-no-model-args", "embedding.word_embeddings.weight has shape (128, 32) there, (384, 32) in this run"),
+    ("other-vocabulary-no-model-args",
+     "embedding.word_embeddings.weight has shape (128, 32) there, (384, 32) in this run"),
 ])
 def test_damaged_checkpoints_are_refused_at_load(ranks, tmp_path, damage, message):
     results = ranks(2, _damaged_checkpoint, str(tmp_path / "ckpt"), damage)

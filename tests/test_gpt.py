@@ -6,7 +6,6 @@ grad norm at every step within 1e-5 of the world=1 stock model from the same see
 """
 
 import pytest
-
 from gpt_models import assert_history_close, run, setup
 
 STEPS = 10

@@ -4,8 +4,9 @@ come, and a spent time budget recorded as such."""
 import json
 import os
 
-from megatron_tsp import cli
 from conftest import ROOT
+
+from megatron_tsp import cli
 
 TINY = os.path.join(ROOT, "configs", "tiny-cpu.yaml")
 

@@ -5,7 +5,6 @@ import ast
 import os
 
 import pytest
-
 from conftest import ROOT
 
 PACKAGE = os.path.join(ROOT, "megatron_tsp")

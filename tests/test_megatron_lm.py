@@ -10,9 +10,9 @@ import subprocess
 import sys
 
 import pytest
+from conftest import ROOT
 
 from megatron_tsp import megatron_lm
-from conftest import ROOT
 
 MEGATRON_LM = os.environ.get("MEGATRON_LM_PATH")
 needs_megatron_lm = pytest.mark.skipif(

@@ -4,13 +4,12 @@ its categories add up, and at long context TSP needs less than TP+SP."""
 import os
 
 import pytest
+from conftest import ROOT
 
 from megatron_tsp.device import CPU
 from megatron_tsp.measure import memory
-
 from megatron_tsp.run import config
 from megatron_tsp.run.modes import get_mode
-from conftest import ROOT
 
 TINY = os.path.join(ROOT, "configs", "tiny-cpu.yaml")
 

@@ -5,15 +5,24 @@ import itertools
 import pytest
 import torch
 import torch.nn.functional as F
+import volumes
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from reference import (
+    SavedBytes,
+    assert_within,
+    configs,
+    init_tsp,
+    local_rows,
+    rel_err,
+    replicated_bias_error,
+    shard_of,
+    solo_pg_collection,
+)
 
 import megatron_tsp
 from megatron_tsp.core.mlp import TSPMLP
 from megatron_tsp.measure import counts
-import volumes
-from reference import (SavedBytes, assert_within, configs, init_tsp, local_rows, rel_err,
-                       replicated_bias_error, shard_of, solo_pg_collection)
 
 SEQ, BATCH, HIDDEN, FFN = 16, 2, 32, 64
 SUBMODULES = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)

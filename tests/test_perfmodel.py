@@ -2,10 +2,10 @@
 
 import os
 
-from megatron_tsp.measure import memory, perfmodel
-
-from megatron_tsp.run import config
 from conftest import ROOT
+
+from megatron_tsp.measure import memory, perfmodel
+from megatron_tsp.run import config
 
 HW = perfmodel.load_hardware(os.path.join(ROOT, "configs", "hardware", "mi300x.yaml"))
 TINY = os.path.join(ROOT, "configs", "tiny-cpu.yaml")

@@ -5,9 +5,9 @@ import dataclasses
 import os
 
 import pytest
+from conftest import ROOT
 
 from megatron_tsp.measure import perfmodel, plan
-from conftest import ROOT
 
 H100 = perfmodel.load_hardware(os.path.join(ROOT, "configs", "hardware", "h100.yaml"))
 TINY = dict(num_layers=2, hidden_size=64, num_attention_heads=8, ffn_hidden_size=256, seq_length=2048,

@@ -11,10 +11,10 @@ same weights in float64 on one rank.
 import pytest
 import torch
 import torch.distributed as dist
+from gpt_models import MICRO_BATCH, SEQ, batches, setup
 from megatron.core import parallel_state as mpu
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from gpt_models import MICRO_BATCH, SEQ, batches, setup
 from megatron_tsp.run import step as training
 
 D = 4

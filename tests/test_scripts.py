@@ -5,9 +5,9 @@ import os
 import subprocess
 
 import pytest
+from conftest import ROOT
 
 from megatron_tsp.measure import compare
-from conftest import ROOT
 
 SCRIPTS = sorted(glob.glob(os.path.join(ROOT, "scripts", "**", "*.sh"), recursive=True)
                  + glob.glob(os.path.join(ROOT, "scripts", "**", "*.sbatch"), recursive=True)

@@ -26,7 +26,12 @@ def test_an_error_waits_for_every_transfer_in_flight():
 def test_ahead_starts_before_the_block_with_overlap_and_after_it_without():
     for overlap, order in ((True, ["start", "compute"]), (False, ["compute", "start"])):
         events = []
-        with ahead(lambda: events.append("start") or "next", overlap) as upcoming:
+
+        def start(events=events):
+            events.append("start")
+            return "next"
+
+        with ahead(start, overlap) as upcoming:
             events.append("compute")
         assert events == order and upcoming.value == "next"
 

@@ -8,12 +8,11 @@ layer, which TSP and TP+SP share (sequence-parallel scatter in, gather out).
 import os
 
 import pytest
-
 import volumes
-from megatron_tsp.measure import memory
-
-from megatron_tsp.run import config
 from conftest import ROOT
+
+from megatron_tsp.measure import memory
+from megatron_tsp.run import config
 
 D, SEQ, LAYERS = 2, 256, 2
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable, List, NamedTuple, Optional, Tuple
 
 import torch
@@ -259,7 +260,7 @@ class StreamAttentionHeads(torch.autograd.Function):
 
             group = project(0)
             for r in range(d_size):
-                with ahead(lambda: project(r + 1), args.overlap) as upcoming:
+                with ahead(partial(project, r + 1), args.overlap) as upcoming:
                     out, lse = args.attend(group.query, *group.kv.wait())
                     out = out.flatten(2)
                     y += F.linear(out, group.shard[-1])
@@ -282,7 +283,7 @@ class StreamAttentionHeads(torch.autograd.Function):
             scattering = OneBehind(args.overlap)  # a group whose dK/dV are being reduce-scattered
             inputs = grads.inputs(0, inflight)
             for r, shard in shards:
-                with ahead(lambda: grads.inputs(r + 1, inflight), args.overlap) as upcoming:
+                with ahead(partial(grads.inputs, r + 1, inflight), args.overlap) as upcoming:
                     finished = scattering.swap(grads.attention(r, shard, inputs, inflight))
                     if finished is not None:
                         grads.weights(finished, shards)

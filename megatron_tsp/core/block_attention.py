@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import inspect
 from functools import lru_cache
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -155,7 +155,8 @@ class _Flash:
     def backward(dout, q, k, v, out, lse, causal, scale):
         seed, offset = _no_rng(q.device)
         return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            dout.contiguous(), q, k, v, out, lse, None, None, q.size(2), k.size(2), 0.0, causal, seed, offset, scale=scale)
+            dout.contiguous(), q, k, v, out, lse, None, None, q.size(2), k.size(2), 0.0, causal, seed, offset,
+            scale=scale)
 
 
 # torch 2.9 made the cuDNN kernel's lse [b, h, sq, 1]
@@ -364,13 +365,13 @@ def _forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_ids: 
         rows = slice(i * chunk, (i + 1) * chunk)
         acc = acc_lse = None
         for _, k0, k1, causal in (b for b in calls if b[0] == i):
-            o, l = kernel.forward(q[:, :, rows], k[:, :, k0:k1], v[:, :, k0:k1], causal, scale)
+            o, o_lse = kernel.forward(q[:, :, rows], k[:, :, k0:k1], v[:, :, k0:k1], causal, scale)
             if acc is None:
-                acc, acc_lse = o, l
+                acc, acc_lse = o, o_lse
             else:  # exact merge of two softmax blocks (ring-flash-attention's update_out_and_lse), in fp32
-                new_lse = torch.logaddexp(acc_lse, l)
+                new_lse = torch.logaddexp(acc_lse, o_lse)
                 acc = (acc.float() * torch.exp(acc_lse - new_lse).unsqueeze(-1)
-                       + o.float() * torch.exp(l - new_lse).unsqueeze(-1))
+                       + o.float() * torch.exp(o_lse - new_lse).unsqueeze(-1))
                 acc_lse = new_lse
         out[:, :, rows] = acc
         lse[:, :, rows] = acc_lse

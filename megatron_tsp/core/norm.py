@@ -103,5 +103,5 @@ class TSPNorm:
         else:
             norm = torch.nn.RMSNorm(hidden_size, eps=eps, device=device, dtype=dtype)
         for param in norm.parameters():
-            setattr(param, "sequence_parallel", config.sequence_parallel)
+            param.sequence_parallel = config.sequence_parallel
         return norm

@@ -17,6 +17,7 @@ owner rounds the sum once, to the parameter's dtype.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -140,7 +141,7 @@ class ShardStream:
         for r in range(d_size):
             buf, handle = arriving
             self.inflight.wait(handle)
-            with ahead(lambda: self._start(r + 1), self.overlap) as upcoming:
+            with ahead(partial(self._start, r + 1), self.overlap) as upcoming:
                 yield r, (self.own if r == rank else unpack(buf, self.own))
             del buf, handle
             arriving = upcoming.value
@@ -210,7 +211,7 @@ class ShardRing:
         current = pack(self.own) if d_size > 1 else None
         for t in range(d_size):
             onward = current if t < d_size - 1 else None
-            with ahead(lambda: self._start(onward), self.overlap) as transfer:
+            with ahead(partial(self._start, onward), self.overlap) as transfer:
                 yield (rank - t) % d_size, (self.own if current is None else unpack(current, self.own))
             incoming, acc_in, handles = transfer.value
             self.inflight.wait(handles)

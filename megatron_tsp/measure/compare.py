@@ -114,7 +114,8 @@ def table(runs: Dict[str, Dict[str, Optional[float]]]) -> str:
 
     names = list(runs)
     base = runs[names[0]]["step_ms_median"] if names else None
-    lines = ["| run | iters | step ms (median) | p10-p90 | vs first | tokens/s | TFLOP/s/device | peak GiB | final loss |",
+    lines = ["| run | iters | step ms (median) | p10-p90 | vs first | tokens/s | TFLOP/s/device | peak GiB "
+             "| final loss |",
              "|---|---|---|---|---|---|---|---|---|"]
     for name in names:
         s = runs[name]

@@ -26,18 +26,19 @@ import json
 import os
 import statistics
 import time
+from functools import partial
 from typing import Callable, Dict, List, Optional
 
 import torch
 
 from megatron_tsp.core import block_attention as ops
+from megatron_tsp.core.parallel_state import destroy_model_parallel
 from megatron_tsp.device import Device
 from megatron_tsp.env import run_record
 from megatron_tsp.measure import memory
 from megatron_tsp.run import config as cfg
 from megatron_tsp.run.build import initialize, stepper
 from megatron_tsp.run.modes import get_mode
-from megatron_tsp.core.parallel_state import destroy_model_parallel
 
 SEQS = (8192, 32768, 131072)
 
@@ -106,7 +107,7 @@ def check_backends(device: Device, seqs, budget_end: float, save: Callable[[], N
         for name in working:
             try:
                 part[name].setdefault("fwd_bwd_ms", {})[seq] = 1e3 * _timed(
-                    lambda: _fwd_bwd(name, q, k, v, dout, [0, 15], scale), device)
+                    partial(_fwd_bwd, name, q, k, v, dout, [0, 15], scale), device)
                 outputs[name] = _fwd_bwd(name, q, k, v, dout, [0, 15], scale)[0].float()
             except Exception as exc:  # noqa: BLE001 - out of memory at 128K, say
                 part[name].setdefault("errors_at", {})[seq] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"

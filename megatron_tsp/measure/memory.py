@@ -57,7 +57,8 @@ def activation_terms(args, mode: str, fused_norm: bool = True) -> Dict[str, Dict
     in ``tests/test_memory.py``): a fused norm (``fused_norm``: TransformerEngine's, apex's
     or TSP's RMSNorm) keeps an fp32 statistic per token besides its input; torch's own
     RMSNorm with fp32 weights (megatron's torch fallback) keeps fp32 copies of its input and
-    of the normalised product instead of the input; megatron's unfused SwiGLU keeps ``silu(x1)`` and ``x2 + offset`` for the
+    of the normalised product instead of the input; megatron's unfused SwiGLU keeps
+    ``silu(x1)`` and ``x2 + offset`` for the
     product; megatron's RoPE keeps rotated copies of Q and K (the unrotated QKV output stays
     alive too, as V is a view of it) and bf16 cos/sin tables for the whole sequence; TSP
     keeps only fp32 frequencies for its own tokens.
@@ -270,7 +271,10 @@ def _step(args, mode: Mode, tracker, attention_backend, device: Device, fake: bo
         if saved_log is not None:
             saved_log.watch(chunk.module)
             stack.enter_context(saved_log)
-        receive = lambda t: tracker.tag([t], "communication", only_from=("temporaries",))
+
+        def receive(t):
+            tracker.tag([t], "communication", only_from=("temporaries",))
+
         flops_before, attention_before = tracker.flops, tracker.attention_flops
         with saved, counts.count_collectives(on_output=receive) as records:
             result = step.train_step(model, optimizer, [batch], 1, args.seq_length, args.micro_batch_size,
@@ -303,7 +307,8 @@ def table(result: Dict) -> str:
              "|---|---|---|" + "---|" * len(CATEGORIES) + "---|"]
     for mode, r in result["modes"].items():
         p = r["parallel"]
-        layout = f"tsp{p['tsp']} tp{p['tp']} cp{p['cp']} pp{p['pp']} dp{p['dp']}" + (" sp" if p["sequence_parallel"] else "")
+        layout = (f"tsp{p['tsp']} tp{p['tp']} cp{p['cp']} pp{p['pp']} dp{p['dp']}"
+                  + (" sp" if p["sequence_parallel"] else ""))
         cats = " | ".join(f"{r['by_category_gib'][c]:.2f}" for c in CATEGORIES)
         lines.append(f"| {mode} | {layout} | {r['peak_gib']:.2f} | {cats} | {r['flops_per_rank'] / 1e12:.1f} |")
     return "\n".join(lines)

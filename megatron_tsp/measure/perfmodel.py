@@ -34,7 +34,6 @@ import copy
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
-
 from megatron_tsp.env import run_record
 from megatron_tsp.measure import memory
 from megatron_tsp.run import config as cfg
@@ -177,7 +176,8 @@ def predict(config_path: str, hw: Hardware, nodes: int = 1, modes: List[str] = (
                           for mode in ("tsp", "tp-sp")}
         results["sweep"] = sweep
         results["crossover_seq_length"] = {
-            key: next((s for s in seq_lengths if sweep[s]["tsp"][key]["step_s"] <= sweep[s]["tp-sp"][key]["step_s"]), None)
+            key: next((s for s in seq_lengths
+                       if sweep[s]["tsp"][key]["step_s"] <= sweep[s]["tp-sp"][key]["step_s"]), None)
             for key in SCENARIOS
         }
     results["seq_length"] = base_seq

@@ -134,7 +134,8 @@ def plan(config_path: str, hw: perfmodel.Hardware, nodes: int = 1, modes: List[s
 def table(result: Dict) -> str:
     hw = result["hardware"]
     lines = [f"{result['config']} on {result['nodes']} node(s) x {hw['gpus_per_node']} {hw['name']} "
-             f"({hw['memory_gib']:.1f} GiB; usable {result['usable_gib']:.1f} GiB after a {result['reserve']['fraction']:.0%}"
+             f"({hw['memory_gib']:.1f} GiB; usable {result['usable_gib']:.1f} GiB after a "
+             f"{result['reserve']['fraction']:.0%}"
              f" + {result['reserve']['gib']:.0f} GiB reserve), tokens/s in scenario '{result['scenario']}', "
              + ("fused norms" if result.get("fused_norm", True) else "torch's unfused RMSNorm"),
              "", "| mode | longest S that fits | with recompute |", "|---|---|---|"]
@@ -144,7 +145,8 @@ def table(result: Dict) -> str:
     others = [k for k in perfmodel.SCENARIOS if k != result["scenario"]]
     lines += ["", f"At S = {result['seq_length']:,} (cluster tokens/s; the fastest that fits is marked in "
                   f"'{result['scenario']}'):", "",
-              f"| mode | recompute | peak GiB | fits | {result['scenario']} | MFU | " + " | ".join(others) + " | best |",
+              f"| mode | recompute | peak GiB | fits | {result['scenario']} | MFU | " + " | ".join(others)
+              + " | best |",
               "|---|---|---|---|---|---|" + "---|" * len(others) + "---|"]
     for mode, r in result["modes"].items():
         at = r["at_seq_length"]
@@ -170,7 +172,8 @@ def plot(result: Dict, path: str) -> None:
     for mode, r in result["modes"].items():
         seqs = sorted(int(s) for s in r["grid"])
         mem.plot(seqs, [r["grid"][s]["choices"][LEAST_MEMORY]["peak_gib"] for s in seqs], marker="o", label=mode)
-        best = [(s, r["grid"][s]["choices"][r["grid"][s]["best"]]["tokens_per_s"]) for s in seqs if r["grid"][s]["best"]]
+        best = [(s, r["grid"][s]["choices"][r["grid"][s]["best"]]["tokens_per_s"])
+                for s in seqs if r["grid"][s]["best"]]
         if best:
             speed.plot(*zip(*best), marker="o", label=mode)
     mem.axhline(result["usable_gib"], color="k", linestyle="--", label=f"usable {result['usable_gib']:.0f} GiB")

@@ -266,7 +266,7 @@ def _patch_torch_norm() -> None:
             config = _with(config, sequence_parallel=False)
         norm = original_new(cls, config, *args, **kwargs)
         for param in norm.parameters():
-            setattr(param, "sequence_parallel", sequence_parallel)
+            param.sequence_parallel = sequence_parallel
         return norm
 
     __new__._megatron_tsp = True

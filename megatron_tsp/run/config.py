@@ -57,7 +57,7 @@ ARGUMENTS: Dict[str, Arg] = {
     "attention_dropout": Arg(float, 0.1, "attention dropout (TSP needs 0)"),
     "hidden_dropout": Arg(float, 0.1, "hidden dropout"),
     "init_method_std": Arg(float, 0.02, "weight init std"),
-    "use_cpu_initialization": _b("initialise weights on the CPU (the same weights at every TP/TSP size), then move them"),
+    "use_cpu_initialization": _b("initialise weights on the CPU (the same at every TP/TSP size), then move them"),
     "norm_epsilon": Arg(float, 1e-5, "norm epsilon"),
     # parallelism
     "tsp_size": Arg(int, 1, "TSP size D (megatron_tsp)"),

@@ -170,7 +170,7 @@ def make_batch(micro_batch_size: int, seq_length: int, vocab_size: int, seed: in
     tokens = torch.randint(0, vocab_size, (micro_batch_size, seq_length + 1), generator=g).to(device)
     return {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
             "loss_mask": torch.ones(micro_batch_size, seq_length, device=device),
-            "position_ids": torch.arange(seq_length, device=device).unsqueeze(0).expand(micro_batch_size, -1).contiguous(),
+            "position_ids": torch.arange(seq_length, device=device).expand(micro_batch_size, -1).contiguous(),
             "attention_mask": None}
 
 

@@ -8,8 +8,6 @@ import traceback
 
 ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_GLOBAL)  # before torch: see runtime.cpp
 
-import torch  # noqa: E402
-
 import fake_cuda  # noqa: E402
 
 fake_cuda.install_torch_cuda()

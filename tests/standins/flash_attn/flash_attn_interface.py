@@ -21,7 +21,8 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float
              causal: bool, window_size_left: int, window_size_right: int, softcap: float,
              alibi_slopes: Optional[torch.Tensor], return_softmax: bool
              ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    assert dropout_p == 0.0 and softcap == 0.0 and alibi_slopes is None and (window_size_left, window_size_right) == (-1, -1)
+    assert dropout_p == 0.0 and softcap == 0.0 and alibi_slopes is None
+    assert (window_size_left, window_size_right) == (-1, -1)
     s = _scores(q, k, causal, softmax_scale)
     lse = torch.logsumexp(s, dim=-1)
     v = v.repeat_interleave(q.size(2) // v.size(2), dim=2)
