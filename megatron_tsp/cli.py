@@ -19,6 +19,7 @@ import traceback
 import warnings
 from typing import List, Optional
 
+from megatron_tsp.core.sizes import DEFAULT_CP
 from megatron_tsp.errors import ConfigError, UserError
 
 
@@ -124,7 +125,7 @@ def _cmd_train(ns: argparse.Namespace) -> int:
             _train_rank(args, log_path, ns.collective_timeout_min, device)
         dist.destroy_process_group()
         return 0
-    nproc = ns.nproc or config.model_parallel_size(args)
+    nproc = ns.nproc or config.sizes(args).model_parallel
     if not args.mock_data:
         data.ensure_corpus(args.data_path)
     if _already_done(args, preflight.check_run(args, nproc)):
@@ -286,7 +287,7 @@ def _add_cluster_arguments(parser: argparse.ArgumentParser, modes: str) -> None:
     parser.add_argument("--hardware", required=True, help="configs/hardware/<name>.yaml")
     parser.add_argument("--nodes", type=POSITIVE_INT, default=1, help="nodes of the job")
     parser.add_argument("--modes", type=_name_list, default=modes, help="comma-separated modes")
-    parser.add_argument("--cp", type=POSITIVE_INT, default=2, help="context-parallel size of tp-cp")
+    parser.add_argument("--cp", type=POSITIVE_INT, default=DEFAULT_CP, help="context-parallel size of tp-cp")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -339,7 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("config", help="YAML config")
     mem.add_argument("--modes", type=_name_list, default="tsp,tp,tp-sp,tp-cp",
                      help="comma-separated: tsp,tp,tp-sp,tp-cp")
-    mem.add_argument("--cp", type=POSITIVE_INT, default=2, help="context-parallel size of the tp-cp mode")
+    mem.add_argument("--cp", type=POSITIVE_INT, default=DEFAULT_CP, help="context-parallel size of the tp-cp mode")
     mem.add_argument("--world-size", type=POSITIVE_INT, default=None,
                      help="ranks of the job (default: the model-parallel size, one replica)")
     mem.add_argument("--json", help="write the results here")

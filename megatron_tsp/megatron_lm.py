@@ -22,7 +22,7 @@ from typing import List, Optional
 
 from megatron_tsp.core.parallel_state import adopt_megatron_groups
 from megatron_tsp.core.spec import get_gpt_layer_tsp_spec
-from megatron_tsp.core.support import violations
+from megatron_tsp.core.support import RULES, violations
 from megatron_tsp.core.zigzag import zigzag_batch
 
 # `--spec megatron_tsp.megatron_lm <name>`: Megatron-LM imports these objects as they are.
@@ -53,12 +53,9 @@ def translate_argv(argv: List[str]) -> List[str]:
     if tsp == 1:
         return list(argv)
 
-    def given(rule):  # the flag's value on the command line, checked before Megatron-LM parses it
-        if not _present(argv, rule.flag):
-            raise KeyError(rule.flag)
-        value = _value(argv, rule.flag)
-        return True if rule.feature or value is None else rule.type(value)
-
+    # the flags on the command line, checked before Megatron-LM parses them
+    given = {rule.flag: True if rule.feature or _value(argv, rule.flag) is None else rule.type(_value(argv, rule.flag))
+             for rule in RULES if _present(argv, rule.flag)}
     for message in violations(given, tsp, ("all", "attention", "mlp", "launch")):
         raise SystemExit(message)
     dropout = _value(argv, "--attention-dropout")

@@ -39,9 +39,15 @@ def test_bad_files_name_the_key(tmp_path, text, message):
 
 @pytest.mark.parametrize("values,message", [
     (dict(tsp_size=2, tensor_model_parallel_size=2), "--tensor-model-parallel-size 1"),
-    (dict(tsp_size=2, seq_length=66), "'seq_length' (--seq-length) must be divisible by 2 x tsp_size"),
+    # TSP's rules, in the support matrix's words
+    (dict(tsp_size=2, seq_length=66), "'seq_length' (--seq-length) 66 is not divisible by 2 x --tsp-size = 4"),
     (dict(tsp_size=2, attention_dropout=0.1), "'attention_dropout' (--attention-dropout) must be 0"),
-    (dict(tsp_size=8, num_attention_heads=4), "'num_attention_heads' (--num-attention-heads) must be divisible"),
+    (dict(tsp_size=8, num_attention_heads=4), "'num_attention_heads' (--num-attention-heads) 4 is not divisible by "
+                                              "--tsp-size 8"),
+    # megatron's own
+    (dict(tensor_model_parallel_size=8, num_attention_heads=4),
+     "'num_attention_heads' (--num-attention-heads) must be divisible by tensor_model_parallel_size"),
+    (dict(context_parallel_size=2, seq_length=66), "'seq_length' (--seq-length) must be divisible by 4"),
     (dict(mock_data=False), "'data_path' (--data-path) is required"),
     (dict(bf16=True, fp16=True), "'bf16' (--bf16) cannot be combined with fp16"),
     (dict(hidden_size=66), "'hidden_size' (--hidden-size) 66 must be divisible by num_attention_heads 4"),

@@ -240,7 +240,7 @@ def test_memory_checks_before_planning(capsys, flags, message):
 
 @pytest.mark.parametrize("flags,message", [
     (["--modes", "tsp,fsdp"], "--modes: unknown mode(s) fsdp"),
-    (["--seq", "66"], "'seq_length' (--seq-length) must be divisible by 2 x tsp_size"),
+    (["--seq", "66"], "'seq_length' (--seq-length) 66 is not divisible by 2 x --tsp-size = 4"),
     (["--nproc", "3"], "world size 3 (--nproc)"),
 ])
 def test_bench_checks_before_starting_ranks(capsys, flags, message):

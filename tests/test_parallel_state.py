@@ -5,7 +5,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 
 import megatron_tsp
-from megatron_tsp.core.parallel_state import check_parallel_sizes
+from megatron_tsp.core.sizes import ParallelSizes
 
 
 def _layout(tsp_size, pp_size):
@@ -86,7 +86,8 @@ def test_bad_input_errors(ranks):
     results = ranks(4, _errors)
     assert all(r == results[0] for r in results)
     not_divisible, zero, pp_not_divisible, with_tp, with_cp, twice = results[0]
-    assert "world size 4 is not divisible" in not_divisible and "--tsp-size" in not_divisible
+    assert "world size 4 (the processes of torch.distributed) is not a multiple" in not_divisible
+    assert "--tsp-size" in not_divisible
     assert "--tsp-size must be >= 1" in zero
     assert "--pipeline-model-parallel-size" in pp_not_divisible
     assert "--tensor-model-parallel-size 1" in with_tp
@@ -96,10 +97,12 @@ def test_bad_input_errors(ranks):
         assert "\n" not in message
 
 
-def test_check_parallel_sizes_is_local():
-    check_parallel_sizes(8, tsp_size=2, pipeline_model_parallel_size=2)
-    with pytest.raises(ValueError, match="not divisible"):
-        check_parallel_sizes(6, tsp_size=4)
+def test_sizes_are_derived_and_checked_locally():
+    sizes = ParallelSizes(tsp=2, pp=2, world=8).validate()
+    assert (sizes.tensor_slot, sizes.model_parallel, sizes.dp, sizes.sequence_divisor) == (2, 4, 2, 4)
+    assert ParallelSizes(tp=4, cp=2).sequence_divisor == 4 and ParallelSizes(tp=2).sequence_divisor == 2
+    with pytest.raises(ValueError, match="world size 6 .* is not a multiple of the model-parallel size 4"):
+        ParallelSizes(tsp=4, world=6).validate()
 
 
 def _plain_tp_has_no_tsp_group():

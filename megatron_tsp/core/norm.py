@@ -23,21 +23,23 @@ class RMSNormFunction(torch.autograd.Function):
     torch's RMSNorm computes it), keeping for backward only ``x`` in its own dtype and the
     fp32 ``rstd`` of each token, as fused kernels do; torch's own RMSNorm (2.13, training)
     keeps four fp32 tensors of the input's size. Backward, with ``x̂ = x · rstd`` and
-    ``g = dy · w``: ``dx = rstd · (g - x̂ · mean(g · x̂, -1))``, ``dw = sum(dy · x̂)``."""
+    ``g = dy · w``: ``dx = rstd · (g - x̂ · mean(g · x̂, -1))``, ``dw = sum(dy · x̂)``. In place
+    where it can, so that at most three fp32 tensors of the input's size exist at once."""
 
     @staticmethod
     def forward(ctx, x, weight, eps):
-        rstd = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+        xf = x.to(torch.float32, copy=True)
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True).add_(eps))
         ctx.save_for_backward(x, weight, rstd)
-        return (x.float() * rstd * weight).to(x.dtype)
+        return xf.mul_(rstd).mul_(weight).to(x.dtype)
 
     @staticmethod
     def backward(ctx, dy):
         x, weight, rstd = ctx.saved_tensors
-        x_hat = x.float() * rstd
-        g = dy.float() * weight.float()
-        dx = rstd * (g - x_hat * (g * x_hat).mean(-1, keepdim=True))
-        dw = (dy.float() * x_hat).reshape(-1, x.size(-1)).sum(0)
+        x_hat = x.to(torch.float32, copy=True).mul_(rstd)
+        dw = (dy * x_hat).reshape(-1, x.size(-1)).sum(0)
+        g = dy.to(torch.float32, copy=True).mul_(weight)
+        dx = g.sub_(x_hat.mul_((g * x_hat).mean(-1, keepdim=True))).mul_(rstd)
         return dx.to(x.dtype), dw.to(weight.dtype), None
 
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 from megatron.core.process_groups_config import ProcessGroupCollection
 
-from megatron_tsp.core.support import check_parallel_sizes
+from megatron_tsp.core.sizes import ParallelSizes
 
 _TSP_GROUP: Optional[dist.ProcessGroup] = None
 # Same ranks as _TSP_GROUP, a second communicator: weight-shard traffic (broadcasts, ring
@@ -67,9 +67,10 @@ def initialize_model_parallel(
         )
     tp = megatron_kwargs.pop("tensor_model_parallel_size", 1)
     cp = megatron_kwargs.get("context_parallel_size", 1)
-    check_parallel_sizes(dist.get_world_size(), tsp_size, pipeline_model_parallel_size, tp, cp)
+    sizes = ParallelSizes(tsp=tsp_size, tp=tp, cp=cp, pp=pipeline_model_parallel_size, world=dist.get_world_size())
+    sizes.validate("the processes of torch.distributed")
     mpu.initialize_model_parallel(
-        tensor_model_parallel_size=tsp_size * tp,
+        tensor_model_parallel_size=sizes.tensor_slot,
         pipeline_model_parallel_size=pipeline_model_parallel_size,
         order="tp-cp-ep-dp-pp",
         **megatron_kwargs,

@@ -15,7 +15,7 @@ command line reads it before megatron-core is loaded.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, List, Mapping, Optional
 
 if TYPE_CHECKING:
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -122,51 +122,16 @@ RULES: List[Rule] = [
 ]
 
 
-def violations(get: Callable[[Rule], Any], tsp_size: int, layers=("all", "attention", "mlp"),
+def violations(values: Mapping[str, Any], tsp_size: int, layers=("all", "attention", "mlp"),
                name: Callable[[Rule], str] = lambda rule: rule.flag) -> Iterator[str]:
-    """The message of every rule of ``layers`` that ``get(rule)`` (the setting's value, or
-    ``KeyError`` where the source does not have it) breaks at TSP size ``tsp_size``;
-    ``name(rule)``: how the source names the setting."""
+    """The message of every rule of ``layers`` that a setting of ``values`` (``{flag: value}``;
+    a flag that is not there is not checked) breaks at TSP size ``tsp_size``; ``name(rule)``:
+    how the source names the setting."""
     if tsp_size <= 1:
         return
     for rule in RULES:
-        if rule.layer not in layers:
-            continue
-        try:
-            value = get(rule)
-        except KeyError:
-            continue
-        if not rule.allows(value, tsp_size):
-            yield rule.message(value, tsp_size, name(rule))
-
-
-def check_parallel_sizes(
-    world_size: int,
-    tsp_size: int = 1,
-    pipeline_model_parallel_size: int = 1,
-    tensor_model_parallel_size: int = 1,
-    context_parallel_size: int = 1,
-) -> None:
-    """Raise a one-line ``ValueError`` naming the flag and the fix; runs no collective."""
-    if tsp_size < 1:
-        raise ValueError(f"--tsp-size must be >= 1 (got {tsp_size})")
-    if pipeline_model_parallel_size < 1:
-        raise ValueError(
-            f"--pipeline-model-parallel-size must be >= 1 (got {pipeline_model_parallel_size})"
-        )
-    sizes = {"--tensor-model-parallel-size": tensor_model_parallel_size,
-             "--context-parallel-size": context_parallel_size}
-    for message in violations(lambda rule: sizes[rule.flag], tsp_size):
-        raise ValueError(message)
-    model_parallel = (
-        tsp_size * tensor_model_parallel_size * context_parallel_size * pipeline_model_parallel_size
-    )
-    if world_size % model_parallel != 0:
-        raise ValueError(
-            f"world size {world_size} is not divisible by --tsp-size x "
-            f"--pipeline-model-parallel-size (x tensor/context-parallel sizes) = {model_parallel}; "
-            f"launch a multiple of {model_parallel} ranks or change the sizes"
-        )
+        if rule.layer in layers and rule.flag in values and not rule.allows(values[rule.flag], tsp_size):
+            yield rule.message(values[rule.flag], tsp_size, name(rule))
 
 
 def _check_config(config: TransformerConfig, tsp_size: int, module: str, layer: str, **values) -> None:
@@ -175,15 +140,10 @@ def _check_config(config: TransformerConfig, tsp_size: int, module: str, layer: 
         raise ValueError(
             f"{module}: TransformerConfig.tensor_model_parallel_size={config.tensor_model_parallel_size} "
             f"must equal --tsp-size {tsp_size} (TSP occupies the tensor-parallel slot)")
-
-    def get(rule: Rule):
-        if rule.key in values:
-            return values[rule.key]
-        if rule.config_attr() is None or not hasattr(config, rule.config_attr()):
-            raise KeyError(rule.flag)
-        return getattr(config, rule.config_attr())
-
-    for message in violations(get, tsp_size, ("all", layer)):
+    settings = {rule.flag: values[rule.key] if rule.key in values else getattr(config, rule.config_attr())
+                for rule in RULES
+                if rule.key in values or (rule.config_attr() is not None and hasattr(config, rule.config_attr()))}
+    for message in violations(settings, tsp_size, ("all", layer)):
         raise ValueError(f"{module}: {message}")
 
 

@@ -20,7 +20,7 @@ def check_seq_len(seq_len: int, tsp_size: int) -> int:
     """Return the chunk length; raise a one-line error when the sequence does not divide."""
     if tsp_size < 1:
         raise ValueError(f"--tsp-size must be >= 1 (got {tsp_size})")
-    for message in violations(lambda rule: {"--seq-length": seq_len}[rule.flag], tsp_size):
+    for message in violations({"--seq-length": seq_len}, tsp_size):
         raise ValueError(message)
     return seq_len // (2 * tsp_size)
 

@@ -96,7 +96,7 @@ def check_setup(values: Dict, seqs: List[int], modes: List[str], nproc: int) -> 
         raise cfg.ConfigError(f"--modes: unknown mode(s) {', '.join(unknown)}; use {', '.join(MODES)}")
     for seq in seqs:
         for name in modes:
-            cfg.check_world_size(_args(values, name, seq), nproc, "--nproc")
+            cfg.sizes(_args(values, name, seq), nproc, "--nproc")
 
 
 def run(config_path: str, seqs: List[int], modes: List[str], repeats: int, steps: int, warmup: int,

@@ -134,7 +134,7 @@ def check_modes(values: Dict, modes: List[str], steps: int, device: Device, budg
         entry = part[mode] = {"parallel": planned["parallel"], "planned_peak_gib": planned["peak_gib"],
                               "planned_by_category_gib": planned["by_category_gib"],
                               "flops_per_rank": planned["flops_per_rank"]}
-        with memory.fake_world(cfg.model_parallel_size(args)):
+        with memory.fake_world(cfg.sizes(args).world_size):
             initialize(args, device, create_gloo_process_groups=False)
             try:
                 step = stepper(args, device, get_mode(mode), clip_grad=0.0, use_gloo_process_groups=False,

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from megatron_tsp.core.parallel_state import destroy_model_parallel
+from megatron_tsp.core.sizes import DEFAULT_CP, ParallelSizes
 from megatron_tsp.device import CPU, Device
 from megatron_tsp.env import run_record
 from megatron_tsp.measure import counts
@@ -64,7 +65,7 @@ def activation_terms(args, mode: str, fused_norm: bool = True) -> Dict[str, Dict
     keeps only fp32 frequencies for its own tokens.
     """
     e = 2 if args.bf16 or args.fp16 else 4
-    t = args.tsp_size * args.tensor_model_parallel_size
+    t = ParallelSizes.of(args).tensor_slot
     s, b, h, d = args.seq_length, args.micro_batch_size, args.hidden_size, args.kv_channels
     a, g, f = args.num_attention_heads, args.num_query_groups, args.ffn_hidden_size
     tokens = s * b / t  # SP and TSP: each rank holds 1/t of the sequence, or of the hidden dims
@@ -177,7 +178,7 @@ def _optimizer_tensors(optimizer) -> List[torch.Tensor]:
     return tensors
 
 
-def plan(values: Dict, mode: str, world_size: Optional[int] = None, cp: int = 2,
+def plan(values: Dict, mode: str, world_size: Optional[int] = None, cp: int = DEFAULT_CP,
          attention_backend: str = "auto", per_layer: bool = False, device: Device = CPU,
          fused_norm: bool = True) -> Dict:
     """Peak memory by category, FLOPs and communication of one training step of rank 0 of a
@@ -192,13 +193,13 @@ def plan(values: Dict, mode: str, world_size: Optional[int] = None, cp: int = 2,
     # Built where it runs: FakeTensorMode cannot move a module between devices, and where the
     # weights were initialised does not change the step's memory.
     args = mode.args(dict(values, use_cpu_initialization=False), cp)
-    world_size = world_size or cfg.model_parallel_size(args)
+    world_size = cfg.sizes(args, world_size).world_size
     with fake_world(world_size), counts.devices_checked(device.torch):
         return _run(args, mode, world_size, StorageTracker(fake_scalars=True), attention_backend, device,
                     fake=True, per_layer=per_layer, fused_norm=fused_norm)
 
 
-def measure(values: Dict, mode: str, device: Device, cp: int = 2, attention_backend: str = "auto") -> Dict:
+def measure(values: Dict, mode: str, device: Device, cp: int = DEFAULT_CP, attention_backend: str = "auto") -> Dict:
     """The same step for real, on this rank of the current process group (the planner's
     check: with real tensors the tracker must see what it sees under FakeTensorMode)."""
     mode = get_mode(mode)
@@ -219,10 +220,7 @@ def _run(args, mode: Mode, world_size: int, tracker: StorageTracker, attention_b
         destroy_model_parallel()
     extra = {"saved_per_layer": saved.layer()} if saved else {}
     return {**extra,
-        "parallel": {"tsp": args.tsp_size, "tp": args.tensor_model_parallel_size,
-                     "cp": args.context_parallel_size, "pp": args.pipeline_model_parallel_size,
-                     "dp": world_size // cfg.model_parallel_size(args), "sequence_parallel": args.sequence_parallel,
-                     "world_size": world_size},
+        "parallel": dict(cfg.sizes(args, world_size).as_dict(), sequence_parallel=args.sequence_parallel),
         "peak_gib": tracker.peak / GIB,
         "by_category_gib": {c: tracker.peak_by_category[c] / GIB for c in CATEGORIES},
         "peak_at": tracker.peak_op,
@@ -284,7 +282,7 @@ def _step(args, mode: Mode, tracker, attention_backend, device: Device, fake: bo
     return static, flops, records
 
 
-def plan_modes(config_path: str, modes: List[str], world_size: Optional[int] = None, cp: int = 2,
+def plan_modes(config_path: str, modes: List[str], world_size: Optional[int] = None, cp: int = DEFAULT_CP,
                overrides: Optional[Dict] = None, per_layer: bool = False, fused_norm: bool = True) -> Dict:
     values = cfg.load_config(config_path)
     values.update(overrides or {})

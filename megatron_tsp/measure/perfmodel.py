@@ -34,6 +34,7 @@ import copy
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
+from megatron_tsp.core.sizes import DEFAULT_CP
 from megatron_tsp.env import run_record
 from megatron_tsp.measure import memory
 from megatron_tsp.run import config as cfg
@@ -103,7 +104,7 @@ def _axpy(base: Dict, per_layer: Dict, layers: int) -> Dict:
     return _sub(base, per_layer, -layers)
 
 
-def layer_counts(values: Dict, mode: str, world_size: Optional[int] = None, cp: int = 2,
+def layer_counts(values: Dict, mode: str, world_size: Optional[int] = None, cp: int = DEFAULT_CP,
                  fused_norm: bool = True) -> Dict:
     """FLOPs, comm counts and peak memory of one micro-batch step of rank 0:
     ``{"base": ..., "per_layer": ...}`` (the peak is linear in the layer count too: every
@@ -155,7 +156,7 @@ def step_time(total: Dict, hw: Hardware, mode: str, scenario: str, world_size: i
 
 
 def predict(config_path: str, hw: Hardware, nodes: int = 1, modes: List[str] = ("tsp", "tp-sp"),
-            cp: int = 2, seq_lengths: Optional[List[int]] = None, overrides: Optional[Dict] = None,
+            cp: int = DEFAULT_CP, seq_lengths: Optional[List[int]] = None, overrides: Optional[Dict] = None,
             fused_norm: bool = True) -> Dict:
     """Step time, tokens/s and MFU per mode at the config's sequence length on ``nodes``
     nodes, and (if ``seq_lengths``) the sweep that locates the TSP / TP+SP crossover."""
@@ -192,32 +193,31 @@ def evaluate(values: Dict, mode: str, hw: Hardware, world: int, cp: int, brief: 
     counts = layer_counts(values, mode, world, cp, fused_norm)
     total = totals_for(counts, args.num_layers)
     d = counts["parallel"]
-    replicas = world // (d["tsp"] * d["tp"] * d["cp"] * d["pp"])
+    layout = cfg.sizes(args, world)
+    replicas, ranks = layout.dp, layout.model_parallel
     tokens = args.micro_batch_size * args.seq_length
     model_flops = flops_formula.flops_per_sequence_from_args(args, padded_vocab(args)) * args.micro_batch_size
     out = {"parallel": d, "peak_gib": total["peak_gib"]}
     for key in SCENARIOS:
         t = step_time(total, hw, mode, key, world)
-        ranks = world // replicas
         t["tokens_per_s_cluster"] = replicas * tokens / t["step_s"]
         t["mfu"] = model_flops / (t["step_s"] * ranks * hw.peak_tflops * 1e12)
         out[key] = t
     if not brief:
         out["flops_per_rank"] = total["flops"]
         out["attention_flops_per_rank"] = total["attention_flops"]
-        out["paper_accountings"] = _accountings(mode, hw, world, counts, args, replicas,
-                                                out["overlap"]["step_s"])
+        out["paper_accountings"] = _accountings(mode, hw, world, counts, args, layout, out["overlap"]["step_s"])
     return out
 
 
-def _accountings(mode, hw, world, counts, args, replicas, full_step_s) -> Dict:
+def _accountings(mode, hw, world, counts, args, layout, full_step_s) -> Dict:
     """Cluster tokens/s under the readings of 'tokens/s' a report might use."""
     tokens = args.micro_batch_size * args.seq_length
     per_layer = counts["per_layer"]
     # one layer's model FLOPs (no recompute) per rank, with the planner's attention share
     layer_flops = flops_formula.flops_per_sequence(
         1, args.hidden_size, args.ffn_hidden_size, args.num_attention_heads, args.num_query_groups,
-        args.kv_channels, args.seq_length, 0, args.swiglu) * args.micro_batch_size / (world // replicas)
+        args.kv_channels, args.seq_length, 0, args.swiglu) * args.micro_batch_size / layout.model_parallel
     attn_share = per_layer["attention_flops"] / per_layer["flops"] if per_layer["flops"] else 0.0
 
     def layer_time(fraction, phases):
@@ -226,6 +226,7 @@ def _accountings(mode, hw, world, counts, args, replicas, full_step_s) -> Dict:
         return step_time(total, hw, mode, "overlap", world, phases=phases)["step_s"]
 
     fwd_layer = layer_time(1.0 / 3.0, ("forward",))  # forward is a third of fwd+bwd
+    replicas = layout.dp
     return {
         "training step, all layers": replicas * tokens / full_step_s,
         "forward, all layers": replicas * tokens / (args.num_layers * fwd_layer),

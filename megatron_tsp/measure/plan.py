@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 from typing import Dict, List, Optional
 
+from megatron_tsp.core.sizes import DEFAULT_CP
 from megatron_tsp.env import run_record
 from megatron_tsp.measure import perfmodel
 from megatron_tsp.run import config as cfg
@@ -105,7 +106,7 @@ class Planner:
 
 
 def plan(config_path: str, hw: perfmodel.Hardware, nodes: int = 1, modes: List[str] = ("tsp", "tp-sp", "tp-cp"),
-         cp: int = 2, scenario: str = "overlap", grid: Optional[List[int]] = None,
+         cp: int = DEFAULT_CP, scenario: str = "overlap", grid: Optional[List[int]] = None,
          overrides: Optional[Dict] = None, fused_norm: bool = True) -> Dict:
     values = cfg.load_config(config_path)
     values.update(overrides or {})

@@ -14,6 +14,7 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_tsp.core.parallel_state import initialize_model_parallel
+from megatron_tsp.core.sizes import ParallelSizes
 from megatron_tsp.device import Device
 from megatron_tsp.run import data, modes, step
 from megatron_tsp.run.compat import enable_cpu_support
@@ -38,7 +39,7 @@ def transformer_config(args, device: Device) -> TransformerConfig:
         num_attention_heads=args.num_attention_heads,
         num_query_groups=args.num_query_groups,
         kv_channels=args.kv_channels,
-        tensor_model_parallel_size=args.tsp_size * args.tensor_model_parallel_size,
+        tensor_model_parallel_size=ParallelSizes.of(args).tensor_slot,
         sequence_parallel=args.sequence_parallel,
         context_parallel_size=args.context_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,

@@ -18,7 +18,8 @@ from typing import Any, Dict, Iterable, List, Optional
 
 import yaml
 
-from megatron_tsp.core.support import check_parallel_sizes, violations
+from megatron_tsp.core.sizes import ParallelSizes
+from megatron_tsp.core.support import RULES, violations
 from megatron_tsp.errors import ConfigError
 
 
@@ -271,42 +272,32 @@ def check_values(ns: argparse.Namespace) -> None:
         raise bad("split", "three numbers train,valid,test with train > 0, for example 99,1,0")
 
 
-def model_parallel_size(ns: argparse.Namespace) -> int:
-    """Ranks of one model replica: TSP x TP x CP x PP."""
-    return (ns.tsp_size * ns.tensor_model_parallel_size * ns.context_parallel_size
-            * ns.pipeline_model_parallel_size)
-
-
-def check_world_size(ns: argparse.Namespace, world_size: int, source: str) -> None:
-    """``world_size`` ranks (``source`` says where that number came from) hold whole replicas."""
-    model_parallel = model_parallel_size(ns)
-    if world_size % model_parallel:
-        raise ConfigError(
-            f"world size {world_size} ({source}) is not a multiple of the model-parallel size {model_parallel} "
-            f"(tsp_size x tensor x context x pipeline parallel sizes); use {model_parallel} ranks or a multiple")
+def sizes(ns: argparse.Namespace, world_size: Optional[int] = None, source: str = "world size") -> ParallelSizes:
+    """The parallel layout of resolved arguments on ``world_size`` ranks (None: one replica),
+    checked (one ConfigError line; ``source`` says where the world size came from)."""
+    try:
+        return ParallelSizes.of(ns, world_size).validate(source)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def check_combinations(ns: argparse.Namespace) -> None:
-    """Impossible combinations, each naming its key; then what TSP does not support
-    (:mod:`megatron_tsp.core.support`)."""
-    d = ns.tsp_size
-    try:
-        check_parallel_sizes(model_parallel_size(ns), d,
-                             ns.pipeline_model_parallel_size, ns.tensor_model_parallel_size,
-                             ns.context_parallel_size)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
+    """Impossible combinations, each naming its key, after what TSP does not support
+    (:mod:`megatron_tsp.core.support`, the only statement of it)."""
+    layout = sizes(ns)
+    tsp_settings = {rule.flag: getattr(ns, rule.key) for rule in RULES if rule.key in ARGUMENTS}
+    for message in violations(tsp_settings, layout.tsp, name=lambda rule: _named(rule.key)):
+        raise ConfigError(message)
+    tp = layout.tp  # megatron's own tensor-parallel constraints (TSP's are the rules above)
     checks = [
-        (ns.num_attention_heads % (d * ns.tensor_model_parallel_size) == 0, "num_attention_heads",
-         "must be divisible by tsp_size x tensor_model_parallel_size"),
-        (ns.num_query_groups % (d * ns.tensor_model_parallel_size) == 0, "num_query_groups",
-         "must be divisible by tsp_size x tensor_model_parallel_size"),
+        (ns.num_attention_heads % tp == 0, "num_attention_heads", "must be divisible by tensor_model_parallel_size"),
+        (ns.num_query_groups % tp == 0, "num_query_groups", "must be divisible by tensor_model_parallel_size"),
         (ns.num_attention_heads % ns.num_query_groups == 0, "num_query_groups",
          "must divide num_attention_heads"),
-        (ns.ffn_hidden_size % (d * ns.tensor_model_parallel_size) == 0, "ffn_hidden_size",
-         "must be divisible by tsp_size x tensor_model_parallel_size"),
-        (ns.seq_length % (2 * d * ns.context_parallel_size) == 0 or (d == 1 and ns.context_parallel_size == 1),
-         "seq_length", "must be divisible by 2 x tsp_size (zigzag) and 2 x context_parallel_size"),
+        (ns.ffn_hidden_size % tp == 0, "ffn_hidden_size", "must be divisible by tensor_model_parallel_size"),
+        (layout.tsp > 1 or ns.seq_length % layout.sequence_divisor == 0, "seq_length",
+         f"must be divisible by {layout.sequence_divisor} (2 x context_parallel_size for the zigzag layout, "
+         "and tensor_model_parallel_size)"),
         (ns.position_embedding_type != "learned_absolute" or ns.max_position_embeddings >= ns.seq_length,
          "max_position_embeddings", "must be at least seq_length with learned_absolute positions"),
         (not (ns.bf16 and ns.fp16), "bf16", "cannot be combined with fp16"),
@@ -324,14 +315,6 @@ def check_combinations(ns: argparse.Namespace) -> None:
     for ok, key, message in checks:
         if not ok:
             raise ConfigError(f"{_named(key)} {message} (got {getattr(ns, key)!r})")
-
-    def setting(rule):
-        if rule.key not in ARGUMENTS:
-            raise KeyError(rule.key)
-        return getattr(ns, rule.key)
-
-    for message in violations(setting, d, name=lambda rule: _named(rule.key)):
-        raise ConfigError(message)
 
 
 def to_megatron_flags(values: Dict[str, Any]) -> List[str]:

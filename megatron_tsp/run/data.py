@@ -22,6 +22,7 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, Moc
 from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
 
+from megatron_tsp.core.sizes import ParallelSizes
 from megatron_tsp.errors import ConfigError, DataError
 
 TINY_CORPUS_NAME = "tsp-tiny-corpus"
@@ -115,7 +116,7 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel: int) 
 def padded_vocab(args) -> int:
     """The run's vocabulary, padded (see :func:`padded_vocab_size`)."""
     return padded_vocab_size(tokenizer_for(args).vocab_size, args.make_vocab_size_divisible_by,
-                             args.tsp_size * args.tensor_model_parallel_size)
+                             ParallelSizes.of(args).tensor_slot)
 
 
 def build_train_dataset(args, num_samples: int, data_parallel_size: int):

@@ -17,6 +17,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transfor
 from megatron.core.utils import get_batch_on_this_cp_rank
 
 from megatron_tsp.core.baselines import get_gpt_block_baseline_spec
+from megatron_tsp.core.sizes import DEFAULT_CP, ParallelSizes
 from megatron_tsp.core.spec import get_gpt_block_tsp_spec
 from megatron_tsp.core.zigzag import zigzag_batch
 from megatron_tsp.env import transformer_engine_version
@@ -43,18 +44,15 @@ class Mode:
     behind_attention: Tuple[str, ...] = ()
     inert_recompute: Dict[str, str] = field(default_factory=dict)
 
-    def values(self, values: Dict, cp: int = 2) -> Dict:
-        """The config ``values`` with its model-parallel size re-laid out as this mode."""
-        v = dict(values)
-        d = 1
-        for key in PARALLEL_KEYS[:3]:
-            d *= max(v.get(key, 1), 1)
-        for key in PARALLEL_KEYS:
-            v.pop(key, None)
+    def values(self, values: Dict, cp: int = DEFAULT_CP) -> Dict:
+        """The config ``values`` with the ranks of each pipeline stage (TSP x TP x CP) re-laid
+        out as this mode."""
+        d = ParallelSizes.of(values).within_a_stage
+        v = {key: value for key, value in values.items() if key not in PARALLEL_KEYS}
         v.update(self.sizes(d, cp))
         return v
 
-    def args(self, values: Dict, cp: int = 2):
+    def args(self, values: Dict, cp: int = DEFAULT_CP):
         """The resolved arguments of ``values`` laid out as this mode."""
         return config.resolve(self.values(values, cp))
 
@@ -124,8 +122,7 @@ def check_layouts(values: Dict, names, world_size: Optional[int], cp: int, sourc
     one ConfigError line otherwise, before any slow work starts. ``source`` names the flag the
     world size came from."""
     for name in names:
-        args = get_mode(name).args(values, cp)
-        config.check_world_size(args, world_size or config.model_parallel_size(args), source)
+        config.sizes(get_mode(name).args(values, cp), world_size, source)
 
 
 def of(args) -> Mode:

@@ -22,8 +22,7 @@ from megatron_tsp.run import checkpointing, config, data
 def check_run(args, world_size: int) -> Optional[int]:
     """Raise one :class:`~megatron_tsp.errors.UserError` for the first problem; return the
     iteration the run resumes from (None when it starts from scratch)."""
-    config.check_world_size(args, world_size, "--nproc, or the processes torchrun started")
-    dp = world_size // config.model_parallel_size(args)
+    dp = config.sizes(args, world_size, "--nproc, or the processes torchrun started").dp
     per_step = args.micro_batch_size * dp
     if args.global_batch_size is not None and args.global_batch_size % per_step:
         raise ConfigError(
