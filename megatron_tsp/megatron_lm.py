@@ -21,8 +21,9 @@ from functools import partial
 from typing import List, Optional
 
 from megatron_tsp.core.parallel_state import adopt_megatron_groups
+from megatron_tsp.core.sizes import ParallelSizes
 from megatron_tsp.core.spec import get_gpt_layer_tsp_spec
-from megatron_tsp.core.support import RULES, violations
+from megatron_tsp.core.support import RULES, require, violations
 from megatron_tsp.core.zigzag import zigzag_batch
 
 # `--spec megatron_tsp.megatron_lm <name>`: Megatron-LM imports these objects as they are.
@@ -48,8 +49,10 @@ def translate_argv(argv: List[str]) -> List[str]:
     """Map ``--tsp-size D`` onto Megatron-LM's tensor-parallel slot; ``argv[0]`` is kept."""
     size = _value(argv, "--tsp-size")
     tsp = int(size) if size is not None else 1
-    if tsp < 1:
-        raise SystemExit(f"--tsp-size must be >= 1 (got {tsp})")
+    try:
+        ParallelSizes(tsp=tsp).validate()
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
     if tsp == 1:
         return list(argv)
 
@@ -92,12 +95,10 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False):
     from megatron.core.utils import get_attr_wrapped_model
     from megatron.training import get_args
 
-    if return_schedule_plan:
-        raise NotImplementedError("--overlap-moe-expert-parallel-comm is not supported with --tsp-size")
+    require("--overlap-moe-expert-parallel-comm", return_schedule_plan, get_args().tsp_size, "forward_step")
     vp_stage = get_attr_wrapped_model(model, "vp_stage")
     tokens, labels, loss_mask, attention_mask, position_ids, packed = pretrain_gpt.get_batch(data_iterator, vp_stage)
-    if packed is not None:
-        raise NotImplementedError("packed sequences are not supported with --tsp-size")
+    require("--sft", packed is not None, get_args().tsp_size, "forward_step")
     batch = zigzag_batch(dict(tokens=tokens, labels=labels, loss_mask=loss_mask,
                               attention_mask=attention_mask, position_ids=position_ids),
                          get_args().tsp_size)

@@ -28,7 +28,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_tsp.core import comm
 from megatron_tsp.core.parallel_state import resolve_tsp_groups
 from megatron_tsp.core.streaming import ShardRing, grad_product, linear_pair_shard
-from megatron_tsp.core.support import check_mlp_config
+from megatron_tsp.core.support import check_mlp_config, require
 
 
 class TSPMLP(MLP):
@@ -47,9 +47,8 @@ class TSPMLP(MLP):
         tp_group: Optional[torch.distributed.ProcessGroup] = None,
         overlap_comm: bool = True,
     ):
-        if is_expert:
-            raise ValueError("TSPMLP is a dense MLP; mixture-of-experts is not supported with --tsp-size")
         group, weight_group = resolve_tsp_groups(group=tp_group)
+        require("--num-experts", is_expert, group.size(), "TSPMLP")
         ffn_hidden_size = ffn_hidden_size or config.ffn_hidden_size
         check_mlp_config(config, group.size(), ffn_hidden_size)
         super().__init__(config, submodules, False, input_size, ffn_hidden_size, group)
@@ -74,8 +73,7 @@ class TSPMLP(MLP):
 
     def forward(self, hidden_states: torch.Tensor, per_token_scale=None, **kwargs
                 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        if per_token_scale is not None:
-            raise NotImplementedError("TSPMLP: per_token_scale (MoE) is not supported")
+        require("--num-experts", per_token_scale is not None, self.tsp_group.size(), "TSPMLP")
         args = MLPScheduleArgs(self.weight_group, self.activation, self.config.hidden_size,
                                has_bias=self.linear_fc1.bias is not None, overlap=self.overlap_comm)
         return RotateMLPShards.apply(args, hidden_states, *self.shard_tensors()), self.linear_fc2.bias

@@ -119,6 +119,8 @@ RULES: List[Rule] = [
     _feature("--use-legacy-models", "TSP needs megatron-core models", "drop --use-legacy-models", attr=None,
              layer="launch"),
     _feature("--sft", "packed (THD) sequences are not implemented", "drop --sft", attr=None, layer="launch"),
+    _feature("--overlap-moe-expert-parallel-comm", "mixture-of-experts is not implemented", attr=None,
+             layer="launch"),
 ]
 
 
@@ -132,6 +134,16 @@ def violations(values: Mapping[str, Any], tsp_size: int, layers=("all", "attenti
     for rule in RULES:
         if rule.layer in layers and rule.flag in values and not rule.allows(values[rule.flag], tsp_size):
             yield rule.message(values[rule.flag], tsp_size, name(rule))
+
+
+def require(flag: str, value: Any, tsp_size: int, where: str = "") -> None:
+    """Raise the one-line ValueError of ``flag``'s rule when ``value`` breaks it (``where``:
+    the module or function that found it, as a prefix): for checks made at run time, by code
+    that runs only under TSP (at any size)."""
+    rule = next(r for r in RULES if r.flag == flag)
+    if not rule.allows(value, tsp_size):
+        message = rule.message(value, tsp_size)
+        raise ValueError(f"{where}: {message}" if where else message)
 
 
 def _check_config(config: TransformerConfig, tsp_size: int, module: str, layer: str, **values) -> None:

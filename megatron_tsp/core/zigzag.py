@@ -13,13 +13,13 @@ from typing import Dict, NamedTuple, Tuple
 
 import torch
 
+from megatron_tsp.core.sizes import ParallelSizes
 from megatron_tsp.core.support import violations
 
 
 def check_seq_len(seq_len: int, tsp_size: int) -> int:
     """Return the chunk length; raise a one-line error when the sequence does not divide."""
-    if tsp_size < 1:
-        raise ValueError(f"--tsp-size must be >= 1 (got {tsp_size})")
+    ParallelSizes(tsp=tsp_size).validate()
     for message in violations({"--seq-length": seq_len}, tsp_size):
         raise ValueError(message)
     return seq_len // (2 * tsp_size)
