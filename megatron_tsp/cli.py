@@ -1,10 +1,10 @@
-"""The ``megatron-tsp`` command.
+"""The ``megatron-tsp`` command: one parser function and one function per subcommand.
 
 A mistake gets one line (``megatron-tsp COMMAND: error: ...``) and a non-zero exit: 2 for a bad
 configuration or argument, 1 for anything else that stops the command (data files,
-checkpoints, a failure while running), 130 for Ctrl-C. A
-failed rank's traceback goes to ``error.log`` beside the run's log; ``--debug`` prints
-tracebacks instead.
+checkpoints, a failure while running), 130 for Ctrl-C. A failed rank's traceback goes to
+``error.log`` beside the run's log; ``--debug`` prints tracebacks instead. Where ranks run
+(torchrun, or local workers) is :func:`megatron_tsp.run.launch.job`'s decision.
 """
 
 from __future__ import annotations
@@ -22,226 +22,15 @@ from typing import List, Optional
 from megatron_tsp.core.sizes import DEFAULT_CP
 from megatron_tsp.errors import ConfigError, UserError
 
-
-def _cmd_env(args: argparse.Namespace) -> int:
-    from megatron_tsp.env import environment
-
-    info = environment()
-    if args.json:
-        print(json.dumps(info, indent=2))
-    else:
-        width = max(len(k) for k in info)
-        for key, value in info.items():
-            shown = {None: "not installed", True: "yes", False: "no"}.get(value, value)
-            print(f"{key:<{width}}  {shown}")
-    return 0
+CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 
 
 def default_config_path() -> str:
     """configs/tiny-cpu.yaml of the checkout this package runs from."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    return os.path.join(os.path.dirname(here), "configs", "tiny-cpu.yaml")
+    return os.path.join(CONFIGS, "tiny-cpu.yaml")
 
 
-def _resolve(ns: argparse.Namespace):
-    from megatron_tsp.run import config
-
-    path = ns.config or default_config_path()
-    values = config.load_config(path)
-    values.update(config.overrides(ns))
-    return path, values, config.resolve(values)
-
-
-def _write(path: str, text: str, flag: str) -> None:
-    """Write a result file (creating its folder); one line if that is impossible."""
-    try:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(text)
-    except OSError as exc:
-        raise UserError(f"{flag} {path}: cannot be written ({exc.strerror or exc})") from None
-
-
-def _write_json(path: str, obj) -> None:
-    _write(path, json.dumps(obj, indent=2, default=str), "--json")
-
-
-def _under_torchrun() -> bool:
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
-
-
-def _init_torchrun(timeout_min: float = 10.0):
-    """Join the job torchrun started on this rank's device (:meth:`Device.from_launch`):
-    NCCL (RCCL on ROCm) on GPUs, gloo otherwise. Returns the device."""
-    import torch.distributed as dist
-
-    from megatron_tsp.device import Device
-
-    device = Device.from_launch()
-    device.activate()
-    dist.init_process_group(device.backend, timeout=datetime.timedelta(minutes=timeout_min))
-    return device
-
-
-def _cmd_args(ns: argparse.Namespace) -> int:
-    from megatron_tsp.run import config
-
-    _, values, _ = _resolve(ns)
-    print(" ".join(shlex.quote(flag) for flag in config.to_megatron_flags(values)))
-    return 0
-
-
-def _train_rank(args, log_path, collective_timeout_min, device=None):
-    from megatron_tsp.run.launch import worker_device
-    from megatron_tsp.run.loop import train
-
-    return train(args, device or worker_device(), log_path, collective_timeout_min)
-
-
-def _already_done(args, resume: Optional[int]) -> bool:
-    if resume is not None and resume >= args.train_iters:
-        if os.environ.get("RANK", "0") == "0":  # under torchrun, once
-            print(f"megatron-tsp train: the checkpoint in {args.load} is at iteration {resume} and --train-iters is "
-                  f"{args.train_iters}: the run is complete, nothing to do (raise --train-iters to train on)",
-                  flush=True)
-        return True
-    return False
-
-
-def _cmd_train(ns: argparse.Namespace) -> int:
-    from megatron_tsp.run import config, data, launch, preflight
-
-    path, _, args = _resolve(ns)
-    log_path = ns.log_json or os.path.join(
-        "runs", os.path.splitext(os.path.basename(path))[0], "log.jsonl")
-    if _under_torchrun():
-        import torch.distributed as dist
-
-        device = _init_torchrun(ns.collective_timeout_min)
-        if dist.get_rank() == 0 and not args.mock_data:
-            data.ensure_corpus(args.data_path)
-        dist.barrier()
-        if not _already_done(args, preflight.check_run(args, dist.get_world_size())):
-            _train_rank(args, log_path, ns.collective_timeout_min, device)
-        dist.destroy_process_group()
-        return 0
-    nproc = ns.nproc or config.sizes(args).model_parallel
-    if not args.mock_data:
-        data.ensure_corpus(args.data_path)
-    if _already_done(args, preflight.check_run(args, nproc)):
-        return 0
-    print(f"megatron-tsp train: {path}, {nproc} rank(s) on this machine", flush=True)
-    try:
-        with launch.WorkerPool(nproc, collective_timeout_s=60 * ns.collective_timeout_min) as pool:
-            pool.run(_train_rank, args, log_path, ns.collective_timeout_min, timeout_s=ns.timeout_s)
-    except launch.RankError as exc:
-        if not exc.user_error:
-            error_log = os.path.abspath(os.path.join(os.path.dirname(log_path), "error.log"))
-            os.makedirs(os.path.dirname(error_log), exist_ok=True)
-            with open(error_log, "a", encoding="utf-8") as f:
-                f.write(f"[{datetime.datetime.now():%Y-%m-%d %H:%M:%S}] {path}: rank {exc.rank}\n{exc.traceback}\n")
-            exc.summary += f" (traceback: {error_log})"
-        raise
-    return 0
-
-
-def _cmd_compare(ns: argparse.Namespace) -> int:
-    from megatron_tsp.measure import compare
-
-    runs = {os.path.relpath(p): compare.summarize(compare.read_run(p), ns.warmup)
-            for p in ns.runs}
-    text = compare.table(runs)
-    if ns.markdown:
-        _write(ns.markdown, text + "\n", "--markdown")
-    if ns.json:
-        _write_json(ns.json, runs)
-    print(text)
-    return 0
-
-
-def _cmd_memory(ns: argparse.Namespace) -> int:
-    from megatron_tsp.measure import memory
-    from megatron_tsp.run import config
-
-    result = memory.plan_modes(ns.config, ns.modes, world_size=ns.world_size, cp=ns.cp,
-                               overrides=config.overrides(ns), per_layer=ns.per_layer, fused_norm=ns.fused_norm)
-    print(memory.table(result))
-    if ns.per_layer:
-        print(memory.per_layer_table(result))
-    if ns.json:
-        _write_json(ns.json, result)
-    if ns.plot:
-        memory.plot(result, ns.plot)
-    return 0
-
-
-def _cmd_predict(ns: argparse.Namespace) -> int:
-    from megatron_tsp.measure import perfmodel
-    from megatron_tsp.run import config
-
-    hw = perfmodel.load_hardware(ns.hardware)
-    result = perfmodel.predict(ns.config, hw, ns.nodes, ns.modes, ns.cp, ns.sweep, config.overrides(ns),
-                               fused_norm=ns.fused_norm)
-    print(perfmodel.table(result))
-    if ns.json:
-        _write_json(ns.json, result)
-    return 0
-
-
-def _cmd_plan(ns: argparse.Namespace) -> int:
-    from megatron_tsp.measure import perfmodel, plan
-    from megatron_tsp.run import config
-
-    hw = perfmodel.load_hardware(ns.hardware)
-    result = plan.plan(ns.config, hw, ns.nodes, ns.modes, ns.cp, ns.scenario, ns.grid, config.overrides(ns),
-                       fused_norm=ns.fused_norm)
-    text = plan.table(result)
-    if ns.out:
-        _write_json(ns.out + ".json", result)
-        _write(ns.out + ".md", text + "\n", "--out")
-        if ns.grid:
-            plan.plot(result, ns.out + ".png")
-    print(text)
-    return 0
-
-
-def _cmd_bench(ns: argparse.Namespace) -> int:
-    from megatron_tsp.measure import bench
-    from megatron_tsp.run import config, launch
-
-    path = ns.config or os.path.join(os.path.dirname(default_config_path()), "bench-cpu.yaml")
-    bench.check_setup(config.load_config(path), ns.seq, ns.modes,
-                      int(os.environ["WORLD_SIZE"]) if _under_torchrun() else ns.nproc)
-    if _under_torchrun():  # every rank runs here
-        import torch.distributed as dist
-
-        device = _init_torchrun()
-        result = bench.run(path, ns.seq, ns.modes, ns.repeats, ns.steps, ns.warmup,
-                           lambda fn, *a: [fn(*a, device=device)], dist.get_world_size())
-        if dist.get_rank() != 0:
-            return 0
-    else:
-        with launch.WorkerPool(ns.nproc) as pool:
-            result = bench.run(path, ns.seq, ns.modes, ns.repeats, ns.steps, ns.warmup,
-                               lambda fn, *a: pool.run(fn, *a, timeout_s=ns.timeout_s), ns.nproc)
-    print(bench.table(result))
-    print("wrote", ", ".join(bench.write(result, ns.out, ns.name)))
-    return 0
-
-
-def _cmd_gpu_check(ns: argparse.Namespace) -> int:
-    from megatron_tsp.measure import gpucheck
-    from megatron_tsp.run import config
-
-    path = ns.config or os.path.join(os.path.dirname(default_config_path()), "7b", "128k-tsp8.yaml")
-    config.resolve(dict(config.load_config(path), **config.overrides(ns)))  # one line for a bad config, now
-    _write(ns.out, "", "--out")  # and for an output that cannot be written, before any work
-    result = gpucheck.run(ns.out, path, ns.modes, ns.steps, config.overrides(ns), ns.budget_s)
-    print(gpucheck.summary(result))
-    print("wrote", ns.out)
-    return 0
-
-
+# ---- argument types and shared arguments ---------------------------------------------------------
 def _number(kind: type, low: float, what: str):
     """An argparse type: a ``kind`` number >= ``low`` (one usage line otherwise)."""
     def parse(text: str):
@@ -273,23 +62,336 @@ def _int_list(text: str) -> List[int]:
     return [POSITIVE_INT(x) for x in _name_list(text)]
 
 
-def _add_fused_norm(parser: argparse.ArgumentParser) -> None:
+def _config_flags(parser: argparse.ArgumentParser, keys=None) -> None:
+    from megatron_tsp.run import config
+
+    config.add_arguments(parser, keys)
+
+
+def _fused_norm_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fused-norm", action=argparse.BooleanOptionalAction, default=True,
                         help="plan norms that keep their input and per-token statistics (TransformerEngine, apex, "
                              "TSP's RMSNorm; default), or torch's RMSNorm with fp32 weights, which keeps fp32 copies "
                              "(--no-fused-norm: megatron-core's torch fallback)")
 
 
-def _add_cluster_arguments(parser: argparse.ArgumentParser, modes: str) -> None:
+def _cluster_flags(parser: argparse.ArgumentParser, modes: str) -> None:
     """CONFIG, the GPU profile, the job's size and the modes to compare (predict, plan)."""
-    _add_fused_norm(parser)
     parser.add_argument("config", help="YAML config")
     parser.add_argument("--hardware", required=True, help="configs/hardware/<name>.yaml")
     parser.add_argument("--nodes", type=POSITIVE_INT, default=1, help="nodes of the job")
     parser.add_argument("--modes", type=_name_list, default=modes, help="comma-separated modes")
     parser.add_argument("--cp", type=POSITIVE_INT, default=DEFAULT_CP, help="context-parallel size of tp-cp")
+    _fused_norm_flag(parser)
 
 
+def _resolve(ns: argparse.Namespace):
+    from megatron_tsp.run import config
+
+    path = ns.config or default_config_path()
+    values = config.load_config(path)
+    values.update(config.overrides(ns))
+    return path, values, config.resolve(values)
+
+
+def _write(path: str, text: str, flag: str) -> None:
+    """Write a result file (creating its folder); one line if that is impossible."""
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+    except OSError as exc:
+        raise UserError(f"{flag} {path}: cannot be written ({exc.strerror or exc})") from None
+
+
+def _write_json(path: str, obj) -> None:
+    _write(path, json.dumps(obj, indent=2, default=str), "--json")
+
+
+# ---- env ----------------------------------------------------------------------------------------
+def _env_parser(sub, common) -> None:
+    p = sub.add_parser("env", parents=[common], help="versions of torch/megatron-core/TE/apex, device and backend")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=_cmd_env)
+
+
+def _cmd_env(ns: argparse.Namespace) -> int:
+    from megatron_tsp.env import environment
+
+    info = environment()
+    if ns.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    width = max(len(k) for k in info)
+    for key, value in info.items():
+        shown = {None: "not installed", True: "yes", False: "no"}.get(value, value)
+        print(f"{key:<{width}}  {shown}")
+    return 0
+
+
+# ---- args ---------------------------------------------------------------------------------------
+def _args_parser(sub, common) -> None:
+    p = sub.add_parser("args", parents=[common], help="render a config as Megatron-LM command-line flags")
+    p.add_argument("config", help="YAML config (keys are Megatron-LM argument names)")
+    _config_flags(p)
+    p.set_defaults(func=_cmd_args)
+
+
+def _cmd_args(ns: argparse.Namespace) -> int:
+    from megatron_tsp.run import config
+
+    _, values, _ = _resolve(ns)
+    print(" ".join(shlex.quote(flag) for flag in config.to_megatron_flags(values)))
+    return 0
+
+
+# ---- train --------------------------------------------------------------------------------------
+def _train_parser(sub, common) -> None:
+    p = sub.add_parser(
+        "train", parents=[common], help="train GPT with TSP (or a TP baseline) on megatron-core",
+        description="Train GPT on megatron-core. CONFIG defaults to configs/tiny-cpu.yaml; "
+                    "Megatron-style flags override its keys. Under torchrun every rank runs "
+                    "here; otherwise --nproc ranks are started on this machine (one per GPU, or gloo on the CPU).")
+    p.add_argument("config", nargs="?", help="YAML config (default: configs/tiny-cpu.yaml)")
+    p.add_argument("--nproc", type=POSITIVE_INT, default=None,
+                   help="ranks to start without torchrun (default: the model-parallel size)")
+    p.add_argument("--log-json", default=None, help="JSON-lines log (default: runs/<config>/log.jsonl)")
+    p.add_argument("--timeout-s", type=POSITIVE_FLOAT, default=6 * 3600.0, help="wall-clock limit of a started job")
+    p.add_argument("--collective-timeout-min", type=POSITIVE_FLOAT, default=10.0, help="timeout of every collective")
+    _config_flags(p)
+    p.set_defaults(func=_cmd_train)
+
+
+def _train_rank(args, log_path, collective_timeout_min):
+    from megatron_tsp.run.launch import rank_device
+    from megatron_tsp.run.loop import train
+
+    return train(args, rank_device(), log_path, collective_timeout_min)
+
+
+def _cmd_train(ns: argparse.Namespace) -> int:
+    from megatron_tsp.run import config, data, launch, preflight
+
+    path, _, args = _resolve(ns)
+    log_path = ns.log_json or os.path.join("runs", os.path.splitext(os.path.basename(path))[0], "log.jsonl")
+    nproc = ns.nproc or config.sizes(args).model_parallel
+    with launch.job(nproc, ns.collective_timeout_min, ns.timeout_s) as job:
+        if job.rank == 0 and not args.mock_data:
+            data.ensure_corpus(args.data_path)
+        job.barrier()
+        resume = preflight.check_run(args, job.world_size)
+        if resume is not None and resume >= args.train_iters:
+            if job.rank == 0:
+                print(f"megatron-tsp train: the checkpoint in {args.load} is at iteration {resume} and --train-iters "
+                      f"is {args.train_iters}: the run is complete, nothing to do (raise --train-iters to train on)",
+                      flush=True)
+            return 0
+        if job.rank == 0:
+            print(f"megatron-tsp train: {path}, {job.world_size} rank(s)", flush=True)
+        try:
+            job.run(_train_rank, args, log_path, ns.collective_timeout_min)
+        except launch.RankError as exc:
+            if not exc.user_error:
+                error_log = os.path.abspath(os.path.join(os.path.dirname(log_path), "error.log"))
+                os.makedirs(os.path.dirname(error_log), exist_ok=True)
+                with open(error_log, "a", encoding="utf-8") as f:
+                    f.write(f"[{datetime.datetime.now():%Y-%m-%d %H:%M:%S}] {path}: rank {exc.rank}\n"
+                            f"{exc.traceback}\n")
+                exc.summary += f" (traceback: {error_log})"
+            raise
+    return 0
+
+
+# ---- memory -------------------------------------------------------------------------------------
+def _memory_parser(sub, common) -> None:
+    p = sub.add_parser(
+        "memory", parents=[common], help="peak memory per category of one rank at full size (FakeTensorMode, no GPU)",
+        description="One training step of rank 0 of the configured job under FakeTensorMode with "
+                    "the fake process-group backend, for each mode at the same model-parallel "
+                    "size, global shapes and recompute setting.")
+    p.add_argument("config", help="YAML config")
+    p.add_argument("--modes", type=_name_list, default="tsp,tp,tp-sp,tp-cp", help="comma-separated modes")
+    p.add_argument("--cp", type=POSITIVE_INT, default=DEFAULT_CP, help="context-parallel size of the tp-cp mode")
+    p.add_argument("--world-size", type=POSITIVE_INT, default=None,
+                   help="ranks of the job (default: the model-parallel size, one replica)")
+    p.add_argument("--json", help="write the results here")
+    p.add_argument("--plot", help="write a stacked bar chart (PNG) here")
+    p.add_argument("--per-layer", action="store_true",
+                   help="list every tensor layer 0 keeps for backward, and the analytic formula")
+    _fused_norm_flag(p)
+    _config_flags(p, ["num_layers", "seq_length", "max_position_embeddings", "micro_batch_size",
+                      "recompute_granularity"])
+    p.set_defaults(func=_cmd_memory)
+
+
+def _cmd_memory(ns: argparse.Namespace) -> int:
+    from megatron_tsp.measure import memory
+    from megatron_tsp.run import config
+
+    result = memory.plan_modes(ns.config, ns.modes, world_size=ns.world_size, cp=ns.cp,
+                               overrides=config.overrides(ns), per_layer=ns.per_layer, fused_norm=ns.fused_norm)
+    print(memory.table(result))
+    if ns.per_layer:
+        print(memory.per_layer_table(result))
+    if ns.json:
+        _write_json(ns.json, result)
+    if ns.plot:
+        memory.plot(result, ns.plot)
+    return 0
+
+
+# ---- predict ------------------------------------------------------------------------------------
+def _predict_parser(sub, common) -> None:
+    p = sub.add_parser(
+        "predict", parents=[common], help="step time and tokens/s from counted FLOPs and bytes on a hardware profile",
+        description="Counts FLOPs and collective bytes of the real model with the memory planner "
+                    "(1 and 2 layers, extrapolated) and times them on a hardware profile.")
+    _cluster_flags(p, modes="tsp,tp,tp-sp,tp-cp")
+    p.add_argument("--sweep", type=_int_list, default=None,
+                   help="comma-separated sequence lengths for the TSP / TP+SP crossover")
+    p.add_argument("--json", help="write the results here")
+    _config_flags(p, ["micro_batch_size", "recompute_granularity"])
+    p.set_defaults(func=_cmd_predict)
+
+
+def _cmd_predict(ns: argparse.Namespace) -> int:
+    from megatron_tsp.measure import perfmodel
+    from megatron_tsp.run import config
+
+    hw = perfmodel.load_hardware(ns.hardware)
+    result = perfmodel.predict(ns.config, hw, ns.nodes, ns.modes, ns.cp, ns.sweep, config.overrides(ns),
+                               fused_norm=ns.fused_norm)
+    print(perfmodel.table(result))
+    if ns.json:
+        _write_json(ns.json, result)
+    return 0
+
+
+# ---- plan ---------------------------------------------------------------------------------------
+def _plan_parser(sub, common) -> None:
+    p = sub.add_parser(
+        "plan", parents=[common], help="longest context that fits and fastest recompute setting per mode on a GPU",
+        description="Per mode: the longest sequence length that fits in the GPU's memory (bisection on the "
+                    "memory planner) and, at the config's length, every recompute choice with peak memory, "
+                    "whether it fits and tokens/s from the performance model.")
+    _cluster_flags(p, modes="tsp,tp-sp,tp-cp")
+    p.add_argument("--scenario", default="overlap", help="performance-model scenario: overlap, no_tp_overlap, "
+                                                          "no_overlap")
+    p.add_argument("--grid", type=_int_list, default=None,
+                   help="comma-separated sequence lengths for the picture (every choice at each)")
+    p.add_argument("--out", help="write OUT.json, OUT.md and (with --grid) OUT.png")
+    _config_flags(p, ["micro_batch_size", "seq_length"])
+    p.set_defaults(func=_cmd_plan)
+
+
+def _cmd_plan(ns: argparse.Namespace) -> int:
+    from megatron_tsp.measure import perfmodel, plan
+    from megatron_tsp.run import config
+
+    hw = perfmodel.load_hardware(ns.hardware)
+    result = plan.plan(ns.config, hw, ns.nodes, ns.modes, ns.cp, ns.scenario, ns.grid, config.overrides(ns),
+                       fused_norm=ns.fused_norm)
+    text = plan.table(result)
+    if ns.out:
+        _write_json(ns.out + ".json", result)
+        _write(ns.out + ".md", text + "\n", "--out")
+        if ns.grid:
+            plan.plot(result, ns.out + ".png")
+    print(text)
+    return 0
+
+
+# ---- bench --------------------------------------------------------------------------------------
+def _bench_parser(sub, common) -> None:
+    p = sub.add_parser(
+        "bench", parents=[common], help="time TSP, TP+SP and TP x CP training steps side by side on this machine",
+        description="Interleaved blocks of timed training steps of every mode on the same ranks; "
+                    "writes JSON, a markdown table and a PNG.")
+    p.add_argument("config", nargs="?", help="YAML config (default: configs/bench-cpu.yaml)")
+    p.add_argument("--seq", type=_int_list, default="256,1024,4096", help="comma-separated sequence lengths")
+    p.add_argument("--modes", type=_name_list, default="tsp,tsp-no-overlap,tp-sp,tp-cp", help="comma-separated modes")
+    p.add_argument("--repeats", type=POSITIVE_INT, default=3, help="interleaved blocks per mode")
+    p.add_argument("--steps", type=POSITIVE_INT, default=3, help="timed steps per block")
+    p.add_argument("--warmup", type=NON_NEGATIVE_INT, default=1, help="untimed steps per block")
+    p.add_argument("--nproc", type=POSITIVE_INT, default=2, help="ranks to start without torchrun")
+    p.add_argument("--timeout-s", type=POSITIVE_FLOAT, default=1800.0, help="deadline of one block")
+    p.add_argument("--out", default="bench/results", help="output folder")
+    p.add_argument("--name", default="bench-cpu", help="file stem of the results")
+    p.set_defaults(func=_cmd_bench)
+
+
+def _cmd_bench(ns: argparse.Namespace) -> int:
+    from megatron_tsp.measure import bench
+    from megatron_tsp.run import config, launch
+
+    path = ns.config or os.path.join(CONFIGS, "bench-cpu.yaml")
+    world = int(os.environ["WORLD_SIZE"]) if launch.under_torchrun() else ns.nproc
+    bench.check_setup(config.load_config(path), ns.seq, ns.modes, world)  # before any rank starts
+    with launch.job(ns.nproc, timeout_s=ns.timeout_s) as job:
+        result = bench.run(path, ns.seq, ns.modes, ns.repeats, ns.steps, ns.warmup, job.run, job.world_size)
+        if job.rank != 0:
+            return 0
+    print(bench.table(result))
+    print("wrote", ", ".join(bench.write(result, ns.out, ns.name)))
+    return 0
+
+
+# ---- gpu-check ----------------------------------------------------------------------------------
+def _gpu_check_parser(sub, common) -> None:
+    p = sub.add_parser(
+        "gpu-check", parents=[common], help="attention backends and one rank of a D=8 job per mode on this GPU",
+        description="What one GPU shows: every attention backend against the math reference and timed at "
+                    "8K-128K, then rank 0 of the config's job per mode with the fake process group (real "
+                    "kernels, no-op collectives): peak memory against the planner and compute per step. "
+                    "Results are written as they come.")
+    p.add_argument("--config", default=None, help="YAML config (default: configs/7b/128k-tsp8.yaml)")
+    p.add_argument("--modes", type=_name_list, default="tsp,tp-sp,tp-cp", help="comma-separated modes")
+    p.add_argument("--steps", type=POSITIVE_INT, default=2, help="timed steps per mode (after one warm-up)")
+    p.add_argument("--budget-s", type=POSITIVE_FLOAT, default=420.0,
+                   help="time budget: what does not fit is recorded as skipped")
+    p.add_argument("--out", default="bench/results/gpu-check.json", help="results file (JSON)")
+    _config_flags(p, ["num_layers", "seq_length", "max_position_embeddings", "micro_batch_size"])
+    p.set_defaults(func=_cmd_gpu_check)
+
+
+def _cmd_gpu_check(ns: argparse.Namespace) -> int:
+    from megatron_tsp.measure import gpucheck
+    from megatron_tsp.run import config
+
+    path = ns.config or os.path.join(CONFIGS, "7b", "128k-tsp8.yaml")
+    config.resolve(dict(config.load_config(path), **config.overrides(ns)))  # one line for a bad config, now
+    _write(ns.out, "", "--out")  # and for an output that cannot be written, before any work
+    result = gpucheck.run(ns.out, path, ns.modes, ns.steps, config.overrides(ns), ns.budget_s)
+    print(gpucheck.summary(result))
+    print("wrote", ns.out)
+    return 0
+
+
+# ---- compare ------------------------------------------------------------------------------------
+def _compare_parser(sub, common) -> None:
+    p = sub.add_parser("compare", parents=[common],
+                       help="table of several runs' iteration logs (JSON lines or Megatron text)")
+    p.add_argument("runs", nargs="+", help="log files or run directories")
+    p.add_argument("--warmup", type=NON_NEGATIVE_INT, default=2, help="iterations left out of the timing")
+    p.add_argument("--markdown", help="write the table here")
+    p.add_argument("--json", help="write the summaries here")
+    p.set_defaults(func=_cmd_compare)
+
+
+def _cmd_compare(ns: argparse.Namespace) -> int:
+    from megatron_tsp.measure import compare
+
+    runs = {os.path.relpath(p): compare.summarize(compare.read_run(p), ns.warmup) for p in ns.runs}
+    text = compare.table(runs)
+    if ns.markdown:
+        _write(ns.markdown, text + "\n", "--markdown")
+    if ns.json:
+        _write_json(ns.json, runs)
+    print(text)
+    return 0
+
+
+# ---- the command --------------------------------------------------------------------------------
 class _Parser(argparse.ArgumentParser):
     """argparse with a one-line error (its default prints the whole usage first)."""
 
@@ -297,124 +399,17 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+COMMANDS = (_env_parser, _args_parser, _train_parser, _memory_parser, _predict_parser, _plan_parser, _bench_parser,
+            _gpu_check_parser, _compare_parser)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
-        prog="megatron-tsp",
-        description="TSP (Tensor + Sequence Parallelism) for Megatron-Core.",
-    )
+    parser = _Parser(prog="megatron-tsp", description="TSP (Tensor + Sequence Parallelism) for Megatron-Core.")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true", help="print Python tracebacks instead of one-line errors")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    env = sub.add_parser("env", parents=[common], help="versions of torch/megatron-core/TE/apex, device and backend")
-    env.add_argument("--json", action="store_true", help="print JSON")
-    env.set_defaults(func=_cmd_env)
-
-    from megatron_tsp.run import config
-
-    args = sub.add_parser("args", parents=[common], help="render a config as Megatron-LM command-line flags")
-    args.add_argument("config", help="YAML config (keys are Megatron-LM argument names)")
-    config.add_arguments(args)
-    args.set_defaults(func=_cmd_args)
-
-    train = sub.add_parser(
-        "train", parents=[common], help="train GPT with TSP (or a TP baseline) on megatron-core",
-        description="Train GPT on megatron-core. CONFIG defaults to configs/tiny-cpu.yaml; "
-                    "Megatron-style flags override its keys. Under torchrun every rank runs "
-                    "here; otherwise --nproc gloo ranks are spawned on this machine.")
-    train.add_argument("config", nargs="?", help="YAML config (default: configs/tiny-cpu.yaml)")
-    train.add_argument("--nproc", type=POSITIVE_INT, default=None,
-                       help="gloo ranks to spawn without torchrun (default: the model-parallel size)")
-    train.add_argument("--log-json", default=None, help="JSON-lines log (default: runs/<config>/log.jsonl)")
-    train.add_argument("--timeout-s", type=POSITIVE_FLOAT, default=6 * 3600.0,
-                       help="wall-clock limit of a spawned job")
-    train.add_argument("--collective-timeout-min", type=POSITIVE_FLOAT, default=10.0,
-                       help="timeout of every collective")
-    config.add_arguments(train)
-    train.set_defaults(func=_cmd_train)
-
-    mem = sub.add_parser(
-        "memory", parents=[common], help="peak memory per category of one rank at full size (FakeTensorMode, no GPU)",
-        description="One training step of rank 0 of the configured job under FakeTensorMode with "
-                    "the fake process-group backend, for each mode at the same model-parallel "
-                    "size, global shapes and recompute setting.")
-    mem.add_argument("config", help="YAML config")
-    mem.add_argument("--modes", type=_name_list, default="tsp,tp,tp-sp,tp-cp",
-                     help="comma-separated: tsp,tp,tp-sp,tp-cp")
-    mem.add_argument("--cp", type=POSITIVE_INT, default=DEFAULT_CP, help="context-parallel size of the tp-cp mode")
-    mem.add_argument("--world-size", type=POSITIVE_INT, default=None,
-                     help="ranks of the job (default: the model-parallel size, one replica)")
-    mem.add_argument("--json", help="write the results here")
-    mem.add_argument("--plot", help="write a stacked bar chart (PNG) here")
-    mem.add_argument("--per-layer", action="store_true",
-                     help="list every tensor layer 0 keeps for backward, and the analytic formula")
-    _add_fused_norm(mem)
-    config.add_arguments(mem, keys=["num_layers", "seq_length", "max_position_embeddings",
-                                    "micro_batch_size", "recompute_granularity"])
-    mem.set_defaults(func=_cmd_memory)
-
-    pred = sub.add_parser(
-        "predict", parents=[common], help="step time and tokens/s from counted FLOPs and bytes on a hardware profile",
-        description="Counts FLOPs and collective bytes of the real model with the memory planner "
-                    "(1 and 2 layers, extrapolated) and times them on a hardware profile.")
-    _add_cluster_arguments(pred, modes="tsp,tp,tp-sp,tp-cp")
-    pred.add_argument("--sweep", type=_int_list, default=None,
-                      help="comma-separated sequence lengths for the TSP / TP+SP crossover")
-    pred.add_argument("--json", help="write the results here")
-    config.add_arguments(pred, keys=["micro_batch_size", "recompute_granularity"])
-    pred.set_defaults(func=_cmd_predict)
-
-    pl = sub.add_parser(
-        "plan", parents=[common], help="longest context that fits and fastest recompute setting per mode on a GPU",
-        description="Per mode: the longest sequence length that fits in the GPU's memory (bisection on the "
-                    "memory planner) and, at the config's length, every recompute choice with peak memory, "
-                    "whether it fits and tokens/s from the performance model.")
-    _add_cluster_arguments(pl, modes="tsp,tp-sp,tp-cp")
-    pl.add_argument("--scenario", default="overlap",
-                    help="performance-model scenario: overlap, no_tp_overlap, no_overlap")
-    pl.add_argument("--grid", type=_int_list, default=None,
-                    help="comma-separated sequence lengths for the picture (every choice at each)")
-    pl.add_argument("--out", help="write OUT.json, OUT.md and (with --grid) OUT.png")
-    config.add_arguments(pl, keys=["micro_batch_size", "seq_length"])
-    pl.set_defaults(func=_cmd_plan)
-
-    bn = sub.add_parser(
-        "bench", parents=[common], help="time TSP, TP+SP and TP x CP training steps side by side on this machine",
-        description="Interleaved blocks of timed training steps of every mode on the same ranks; "
-                    "writes JSON, a markdown table and a PNG.")
-    bn.add_argument("config", nargs="?", help="YAML config (default: configs/bench-cpu.yaml)")
-    bn.add_argument("--seq", type=_int_list, default="256,1024,4096", help="comma-separated sequence lengths")
-    bn.add_argument("--modes", type=_name_list, default="tsp,tsp-no-overlap,tp-sp,tp-cp", help="comma-separated modes")
-    bn.add_argument("--repeats", type=POSITIVE_INT, default=3, help="interleaved blocks per mode")
-    bn.add_argument("--steps", type=POSITIVE_INT, default=3, help="timed steps per block")
-    bn.add_argument("--warmup", type=NON_NEGATIVE_INT, default=1, help="untimed steps per block")
-    bn.add_argument("--nproc", type=POSITIVE_INT, default=2, help="gloo ranks to spawn without torchrun")
-    bn.add_argument("--timeout-s", type=POSITIVE_FLOAT, default=1800.0, help="deadline of one block")
-    bn.add_argument("--out", default="bench/results", help="output folder")
-    bn.add_argument("--name", default="bench-cpu", help="file stem of the results")
-    bn.set_defaults(func=_cmd_bench)
-
-    gc = sub.add_parser(
-        "gpu-check", parents=[common], help="attention backends and one rank of a D=8 job per mode on this GPU",
-        description="What one GPU shows: every attention backend against the math reference and timed at "
-                    "8K-128K, then rank 0 of the config's job per mode with the fake process group (real "
-                    "kernels, no-op collectives): peak memory against the planner and compute per step. "
-                    "Results are written as they come.")
-    gc.add_argument("--config", default=None, help="YAML config (default: configs/7b/128k-tsp8.yaml)")
-    gc.add_argument("--modes", type=_name_list, default="tsp,tp-sp,tp-cp", help="comma-separated modes")
-    gc.add_argument("--steps", type=POSITIVE_INT, default=2, help="timed steps per mode (after one warm-up)")
-    gc.add_argument("--budget-s", type=POSITIVE_FLOAT, default=420.0,
-                    help="time budget: what does not fit is recorded as skipped")
-    gc.add_argument("--out", default="bench/results/gpu-check.json", help="results file (JSON)")
-    config.add_arguments(gc, keys=["num_layers", "seq_length", "max_position_embeddings", "micro_batch_size"])
-    gc.set_defaults(func=_cmd_gpu_check)
-
-    cmp = sub.add_parser("compare", parents=[common],
-                         help="table of several runs' iteration logs (JSON lines or Megatron text)")
-    cmp.add_argument("runs", nargs="+", help="log files or run directories")
-    cmp.add_argument("--warmup", type=NON_NEGATIVE_INT, default=2, help="iterations left out of the timing")
-    cmp.add_argument("--markdown", help="write the table here")
-    cmp.add_argument("--json", help="write the summaries here")
-    cmp.set_defaults(func=_cmd_compare)
+    for add in COMMANDS:
+        add(sub, common)
     return parser
 
 
@@ -427,9 +422,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
-    from megatron_tsp.run.launch import PoolTimeout, RankError
+    from megatron_tsp.run.launch import PoolTimeout, RankError, under_torchrun
 
-    where = f"rank {os.environ['RANK']}: " if _under_torchrun() else ""
+    where = f"rank {os.environ['RANK']}: " if under_torchrun() else ""
     try:
         return args.func(args)
     except KeyboardInterrupt:

@@ -26,14 +26,13 @@ from typing import Dict, List, Optional
 
 import torch.distributed as dist
 
-from megatron_tsp.device import Device
 from megatron_tsp.env import run_record
 from megatron_tsp.errors import UserError
 from megatron_tsp.measure import counts, memory
 from megatron_tsp.run import config as cfg
 from megatron_tsp.run.build import initialize, stepper
 from megatron_tsp.run.config import at_seq_length
-from megatron_tsp.run.launch import worker_device
+from megatron_tsp.run.launch import rank_device
 from megatron_tsp.run.modes import MODES, get_mode
 
 LOSS_RTOL = 1e-4  # step-1 losses of a fresh fp32 model differ by reduction order only (~1e-7)
@@ -48,11 +47,11 @@ def _args(values: Dict, mode: str, seq: int):
     return get_mode(mode).args(dict(at_seq_length(values, seq), use_cpu_initialization=True))
 
 
-def _block(values: Dict, mode: str, seq: int, steps: int, warmup: int, device: Optional[Device] = None) -> Dict:
-    """On every rank (of a worker pool, or of torchrun with its ``device``): build the model
-    for ``mode``; its first step's loss, then ``warmup`` more untimed steps, one counted step
-    and ``steps`` timed steps, each on a new batch."""
-    device = device or worker_device()
+def _block(values: Dict, mode: str, seq: int, steps: int, warmup: int) -> Dict:
+    """On every rank of the job: build the model for ``mode``; its first step's loss, then
+    ``warmup`` more untimed steps, one counted step and ``steps`` timed steps, each on a new
+    batch."""
+    device = rank_device()
     args = _args(values, mode, seq)
     initialize(args, device)
     step = stepper(args, device, get_mode(mode), transformer_engine=False)
@@ -73,9 +72,9 @@ def _block(values: Dict, mode: str, seq: int, steps: int, warmup: int, device: O
     return {"step_s": times, "bytes_received": received, "first_step_loss": first_loss}
 
 
-def _memory(values: Dict, mode: str, seq: int, device: Optional[Device] = None) -> float:
+def _memory(values: Dict, mode: str, seq: int) -> float:
     return memory.measure(dict(at_seq_length(values, seq), use_cpu_initialization=True), mode,
-                          device or worker_device())["peak_gib"]
+                          rank_device())["peak_gib"]
 
 
 def check_same_loss(first_losses: Dict[str, List[float]], seq: int) -> None:

@@ -1,9 +1,15 @@
-"""Run a function on N ranks on this machine, with a deadline.
+"""Where a job's ranks run: in place under torchrun, or N local workers with a deadline.
 
-Used by the tests (one long-lived pool per world size, so worker start-up and imports are
-paid once) and by ``megatron-tsp train --nproc N`` on a machine without torchrun. A rank
-that raises, dies or runs past its deadline takes the whole pool down and the caller gets
-the first failing rank's error: a hang becomes an error message, never a stuck job.
+:func:`job` decides: under torchrun this process is one rank of the job torchrun started
+(it joins it on its device); otherwise a :class:`WorkerPool` of N processes on this machine
+runs the ranks, started at the job's first task, so that the caller's checks come first.
+Either way a task runs on every rank and the rank's device (:func:`rank_device`) was chosen
+once, when the rank joined (:meth:`Device.from_launch`).
+
+The pool is also the tests' (one long-lived pool per world size, so worker start-up and
+imports are paid once). A rank that raises, dies or runs past its deadline takes the whole
+pool down and the caller gets the first failing rank's error: a hang becomes an error
+message, never a stuck job.
 
 A rank that stops answering (stopped, deadlocked) makes the others fail in their next
 collective after the collective timeout; the error then names the ranks that did not report
@@ -13,6 +19,7 @@ Ctrl-C: the parent gets it and kills them.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import multiprocessing as mp
 import os
@@ -22,9 +29,8 @@ import sys
 import time
 import traceback
 from multiprocessing.connection import Connection, wait
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Iterator, List, Optional
 
-from megatron_tsp.device import Device
 from megatron_tsp.errors import UserError
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -114,14 +120,63 @@ def _reset() -> None:
         dist.destroy_process_group()
 
 
-_DEVICE: Optional[Device] = None
+_DEVICE = None  # this rank's megatron_tsp.device.Device, once it joined a job
 
 
-def worker_device() -> Device:
-    """The device of this worker process (its rank's GPU, or the CPU), chosen at its start."""
+def rank_device():
+    """The device of this rank (its GPU, or the CPU), chosen when it joined its job."""
     if _DEVICE is None:
-        raise RuntimeError("worker_device() is for functions run by a WorkerPool")
+        raise RuntimeError("rank_device() is for functions that run on the ranks of a job (launch.job)")
     return _DEVICE
+
+
+def under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+class Job:
+    """The ranks of one job, seen from where the caller runs. ``rank``: this process's rank (the
+    launcher counts as rank 0 of a local job); ``world_size``; ``run(fn, *args)`` runs
+    ``fn(*args)`` on every rank and returns what this process sees of the results (every
+    rank's for a local job, its own under torchrun); ``barrier()``."""
+
+    def __init__(self, world_size: int, rank: int, run: Callable, barrier: Callable[[], None] = lambda: None):
+        self.world_size, self.rank, self.run, self.barrier = world_size, rank, run, barrier
+
+
+@contextlib.contextmanager
+def job(nproc: int, collective_timeout_min: float = 10.0, timeout_s: float = DEFAULT_TIMEOUT_S) -> Iterator[Job]:
+    """Under torchrun: join its job on this rank's device (NCCL/RCCL on GPUs, gloo on the
+    CPU). Otherwise: ``nproc`` local ranks, the pool started at the first ``run``."""
+    global _DEVICE
+    if under_torchrun():
+        import torch.distributed as dist
+
+        from megatron_tsp.device import Device
+
+        _DEVICE = Device.from_launch()
+        _DEVICE.activate()
+        dist.init_process_group(_DEVICE.backend, timeout=datetime.timedelta(minutes=collective_timeout_min))
+        try:
+            yield Job(dist.get_world_size(), dist.get_rank(), lambda fn, *args, **kw: [fn(*args, **kw)], dist.barrier)
+        finally:
+            dist.destroy_process_group()
+        return
+    pools: List[WorkerPool] = []
+
+    def run(fn, *args, **kwargs):
+        if not pools:
+            pools.append(WorkerPool(nproc, collective_timeout_s=60 * collective_timeout_min))
+        return pools[0].run(fn, *args, timeout_s=timeout_s, **kwargs)
+
+    try:
+        yield Job(nproc, 0, run)
+    except BaseException:
+        for pool in pools:
+            pool.close(kill=True)
+        raise
+    for pool in pools:
+        pool.close()
 
 
 def _worker(rank: int, world_size: int, port: int, conn: Connection, path: List[str],
@@ -135,6 +190,8 @@ def _worker(rank: int, world_size: int, port: int, conn: Connection, path: List[
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    from megatron_tsp.device import Device
+
     _DEVICE = Device("cpu") if device_type == "cpu" else Device.from_launch(local_rank=rank)
     _DEVICE.activate()
     if not _DEVICE.is_gpu:
