@@ -22,7 +22,7 @@ _POOLS = {}
 def run_on_pool(world_size, fn, *args, timeout_s=300.0, **kwargs):
     pool = _POOLS.get(world_size)
     if pool is None or not pool.alive:
-        pool = _POOLS[world_size] = WorkerPool(world_size)
+        pool = _POOLS[world_size] = WorkerPool(world_size, device_type="cpu")
     return pool.run(fn, *args, timeout_s=timeout_s, **kwargs)
 
 
@@ -30,5 +30,5 @@ def run_on_pool(world_size, fn, *args, timeout_s=300.0, **kwargs):
 def ranks():
     yield run_on_pool
     for pool in _POOLS.values():
-        pool.close()
+        pool.close(kill=True)  # nothing to finish: no graceful shutdown to wait for
     _POOLS.clear()

@@ -85,7 +85,7 @@ def _train_and_stop_rank_1():
 
 
 def test_a_stopped_rank_fails_the_job_within_the_collective_timeout():
-    pool = WorkerPool(2, collective_timeout_s=6)
+    pool = WorkerPool(2, collective_timeout_s=6, device_type="cpu")
     start = time.monotonic()
     with pytest.raises(RankError) as failure:
         pool.run(_train_and_stop_rank_1, timeout_s=120)
@@ -122,7 +122,7 @@ def _losses(log):
 def test_a_run_killed_while_saving_resumes_from_the_previous_checkpoint(ranks, tmp_path):
     save = str(tmp_path / "ckpt")
     with pytest.raises(RankError, match="killed by SIGKILL"):
-        with WorkerPool(2) as pool:
+        with WorkerPool(2, device_type="cpu") as pool:
             pool.run(_train_killed_while_saving, save, timeout_s=120)
     assert checkpointing.latest(save)[1] == 2
     quiet = dict(TINY, log_interval=1)

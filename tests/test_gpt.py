@@ -2,13 +2,14 @@
 
 Stock GPTModel with the TSP layer spec, zigzag batches, megatron DDP + DistributedOptimizer,
 gradient clipping, two micro-batches per step through get_forward_backward_func; loss and
-grad norm at every step within 1e-5 of the world=1 stock model from the same seed.
+grad norm at every step (4 Adam steps) within 1e-5 of the world=1 stock model from the same
+seed.
 """
 
 import pytest
 from gpt_models import assert_history_close, run, setup
 
-STEPS = 10
+STEPS = 4  # a parameter whose gradient is not summed over the group diverges from step 2
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,8 @@
-"""`megatron-tsp train`, the main job, through its command line: the loss falls, a killed
-run resumes from its checkpoint with the losses of an uninterrupted run (also at D=1, on one
-rank or two data-parallel ranks, and in TP=2+SP: the padded vocabulary does not depend on
-the layout), and the TP+SP baseline starts from the same loss."""
+"""`megatron-tsp train`, the main job: through its command line the loss falls and a killed
+run resumes from its checkpoint with the losses of an uninterrupted run; the same checkpoint
+resumes at D=1, on one rank or two data-parallel ranks, and in TP=2+SP (the padded
+vocabulary does not depend on the layout), and the TP+SP baseline starts from the same loss
+(those through the training loop on the tests' worker pools)."""
 
 import json
 import os
@@ -14,9 +15,10 @@ import time
 import pytest
 from conftest import ROOT
 
-ITERS = 30
+ITERS = 12
 QUICK = ["--num-layers", "2", "--log-interval", "1", "--train-iters", str(ITERS),
          "--data-path", None]  # data path filled per test
+TINY = os.path.join(ROOT, "configs", "tiny-cpu.yaml")
 
 
 def _cmd(tmp_path, log, *extra):
@@ -42,7 +44,7 @@ def uninterrupted(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("full")
     log = tmp / "log.jsonl"
     stdout = _run(_cmd(tmp, log))
-    assert "iteration       30/      30" in stdout and "lm loss:" in stdout
+    assert f"iteration       {ITERS}/      {ITERS}" in stdout and "lm loss:" in stdout
     return {r["iteration"]: r for r in _records(log)}
 
 
@@ -88,26 +90,35 @@ def test_killed_run_resumes_with_the_same_losses(tmp_path, killed, uninterrupted
         assert (r["loss"], r["grad_norm"], r["lr"]) == (ref["loss"], ref["grad_norm"], ref["lr"]), r["iteration"]
 
 
-@pytest.mark.parametrize("layout", [
-    ["--tsp-size", "1", "--nproc", "1"],
-    ["--tsp-size", "1", "--nproc", "2"],
-    ["--tsp-size", "1", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
+def _train_logged(overrides, tmp_path, log):
+    from megatron_tsp.device import CPU
+    from megatron_tsp.run import config
+    from megatron_tsp.run.loop import train
+
+    values = dict(config.load_config(TINY), num_layers=2, log_interval=1, lr_decay_iters=ITERS,
+                  data_path=[str(tmp_path.parent / "data" / "tsp-tiny-corpus")], **overrides)
+    train(config.resolve(values), CPU, str(log))
+
+
+@pytest.mark.parametrize("world,layout", [
+    (1, dict(tsp_size=1)),
+    (2, dict(tsp_size=1)),
+    (2, dict(tsp_size=1, tensor_model_parallel_size=2, sequence_parallel=True)),
 ], ids=["d1", "d1-dp2", "tp2-sp"])
-def test_d2_checkpoint_resumes_in_other_layouts(tmp_path, killed, uninterrupted, layout):
+def test_d2_checkpoint_resumes_in_other_layouts(ranks, tmp_path, killed, uninterrupted, world, layout):
     _, pristine, saved = killed
     log = tmp_path / "resumed.jsonl"
-    _run(_cmd(tmp_path, log, "--load", str(pristine), *layout))
+    ranks(world, _train_logged, dict(layout, load=str(pristine), train_iters=saved + 3), tmp_path, log)
     resumed = _records(log)
-    assert resumed[0]["iteration"] == saved + 1
-    for r in resumed[:3]:  # a different layout sums in another order: close, not equal
+    assert [r["iteration"] for r in resumed] == [saved + 1, saved + 2, saved + 3]
+    for r in resumed:  # a different layout sums in another order: close, not equal
         ref = uninterrupted[r["iteration"]]
         assert abs(r["loss"] - ref["loss"]) <= 1e-4 * ref["loss"], (r["iteration"], r["loss"], ref["loss"])
 
 
-def test_tp_sp_baseline_starts_from_the_same_loss(tmp_path, uninterrupted):
+def test_tp_sp_baseline_starts_from_the_same_loss(ranks, tmp_path, uninterrupted):
     log = tmp_path / "tp.jsonl"
-    cmd = _cmd(tmp_path, log, "--tsp-size", "1", "--tensor-model-parallel-size", "2", "--sequence-parallel")
-    cmd[cmd.index("--train-iters") + 1] = "6"
-    _run(cmd)
+    baseline = dict(tsp_size=1, tensor_model_parallel_size=2, sequence_parallel=True, train_iters=1)
+    ranks(2, _train_logged, baseline, tmp_path, log)
     first = _records(log)[0]
     assert abs(first["loss"] - uninterrupted[1]["loss"]) <= 1e-5 * uninterrupted[1]["loss"]

@@ -31,6 +31,7 @@ Memory-bound elementwise work and the optimizer step are not modelled.
 from __future__ import annotations
 
 import copy
+import json
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
@@ -104,11 +105,23 @@ def _axpy(base: Dict, per_layer: Dict, layers: int) -> Dict:
     return _sub(base, per_layer, -layers)
 
 
+_COUNTS: Dict[str, Dict] = {}  # layer_counts of this process, by their arguments
+
+
 def layer_counts(values: Dict, mode: str, world_size: Optional[int] = None, cp: int = DEFAULT_CP,
                  fused_norm: bool = True) -> Dict:
     """FLOPs, comm counts and peak memory of one micro-batch step of rank 0:
     ``{"base": ..., "per_layer": ...}`` (the peak is linear in the layer count too: every
-    layer keeps the same activations, and the peak falls at the same point of the step)."""
+    layer keeps the same activations, and the peak falls at the same point of the step).
+    Planned once per process for the same arguments: the hardware does not enter them, so
+    a planner that tries several GPUs, or sequence lengths again, reuses them."""
+    key = json.dumps([values, mode, world_size, cp, fused_norm], sort_keys=True, default=str)
+    if key not in _COUNTS:
+        _COUNTS[key] = _layer_counts(values, mode, world_size, cp, fused_norm)
+    return copy.deepcopy(_COUNTS[key])
+
+
+def _layer_counts(values: Dict, mode: str, world_size: Optional[int], cp: int, fused_norm: bool) -> Dict:
     def counts(layers):
         v = dict(values, num_layers=layers)
         plan = memory.plan(copy.deepcopy(v), mode, world_size, cp, fused_norm=fused_norm)
