@@ -210,7 +210,7 @@ def _memory_parser(sub, common) -> None:
                     "the fake process-group backend, for each mode at the same model-parallel "
                     "size, global shapes and recompute setting.")
     p.add_argument("config", help="YAML config")
-    p.add_argument("--modes", type=_name_list, default="tsp,tp,tp-sp,tp-cp", help="comma-separated modes")
+    p.add_argument("--modes", type=_name_list, default="tsp,tp,tp-sp,tp-sp-ring,tp-cp", help="comma-separated modes")
     p.add_argument("--cp", type=POSITIVE_INT, default=DEFAULT_CP, help="context-parallel size of the tp-cp mode")
     p.add_argument("--world-size", type=POSITIVE_INT, default=None,
                    help="ranks of the job (default: the model-parallel size, one replica)")
@@ -246,7 +246,7 @@ def _predict_parser(sub, common) -> None:
         "predict", parents=[common], help="step time and tokens/s from counted FLOPs and bytes on a hardware profile",
         description="Counts FLOPs and collective bytes of the real model with the memory planner "
                     "(1 and 2 layers, extrapolated) and times them on a hardware profile.")
-    _cluster_flags(p, modes="tsp,tp,tp-sp,tp-cp")
+    _cluster_flags(p, modes="tsp,tp,tp-sp,tp-sp-ring,tp-cp")
     p.add_argument("--sweep", type=_int_list, default=None,
                    help="comma-separated sequence lengths for the TSP / TP+SP crossover")
     p.add_argument("--json", help="write the results here")
@@ -274,7 +274,7 @@ def _plan_parser(sub, common) -> None:
         description="Per mode: the longest sequence length that fits in the GPU's memory (bisection on the "
                     "memory planner) and, at the config's length, every recompute choice with peak memory, "
                     "whether it fits and tokens/s from the performance model.")
-    _cluster_flags(p, modes="tsp,tp-sp,tp-cp")
+    _cluster_flags(p, modes="tsp,tp-sp,tp-sp-ring,tp-cp")
     p.add_argument("--scenario", default="overlap", help="performance-model scenario: overlap, no_tp_overlap, "
                                                           "no_overlap")
     p.add_argument("--grid", type=_int_list, default=None,
@@ -309,7 +309,8 @@ def _bench_parser(sub, common) -> None:
                     "writes JSON, a markdown table and a PNG.")
     p.add_argument("config", nargs="?", help="YAML config (default: configs/bench-cpu.yaml)")
     p.add_argument("--seq", type=_int_list, default="256,1024,4096", help="comma-separated sequence lengths")
-    p.add_argument("--modes", type=_name_list, default="tsp,tsp-no-overlap,tp-sp,tp-cp", help="comma-separated modes")
+    p.add_argument("--modes", type=_name_list, default="tsp,tsp-no-overlap,tp-sp,tp-sp-ring,tp-cp",
+                   help="comma-separated modes")
     p.add_argument("--repeats", type=POSITIVE_INT, default=3, help="interleaved blocks per mode")
     p.add_argument("--steps", type=POSITIVE_INT, default=3, help="timed steps per block")
     p.add_argument("--warmup", type=NON_NEGATIVE_INT, default=1, help="untimed steps per block")
@@ -345,7 +346,7 @@ def _gpu_check_parser(sub, common) -> None:
                     "kernels, no-op collectives): peak memory against the planner and compute per step. "
                     "Results are written as they come.")
     p.add_argument("--config", default=None, help="YAML config (default: configs/7b/128k-tsp8.yaml)")
-    p.add_argument("--modes", type=_name_list, default="tsp,tp-sp,tp-cp", help="comma-separated modes")
+    p.add_argument("--modes", type=_name_list, default="tsp,tp-sp,tp-sp-ring,tp-cp", help="comma-separated modes")
     p.add_argument("--steps", type=POSITIVE_INT, default=2, help="timed steps per mode (after one warm-up)")
     p.add_argument("--budget-s", type=POSITIVE_FLOAT, default=420.0,
                    help="time budget: what does not fit is recorded as skipped")

@@ -7,6 +7,7 @@ Adam steps through ``get_forward_backward_func``. Data-parallel replicas take di
 micro-batches of the same global batch, so every mode sees the same data.
 """
 
+from types import SimpleNamespace
 from typing import NamedTuple
 
 import torch
@@ -17,14 +18,12 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.utils import get_batch_on_this_cp_rank
 
 import megatron_tsp
-from megatron_tsp import zigzag_batch
-from megatron_tsp.core.baselines import get_gpt_block_baseline_spec
 from megatron_tsp.run import checkpointing
 from megatron_tsp.run import step as training
 from megatron_tsp.run.data import make_batch
+from megatron_tsp.run.modes import get_mode
 
 VOCAB = 128
 SEQ = 32
@@ -68,17 +67,19 @@ class Step(NamedTuple):
 
 def setup(mode, model="modern", tsp=1, tp=1, cp=1, pp=1, recompute=None, overlap_grad_reduce=False,
           use_distributed_optimizer=True, block_spec=False, init=True, grad_reduce_in_fp32=False,
-          with_optimizer=True, **config_overrides):
+          with_optimizer=True, ring_mlp=False, **config_overrides):
     """Process groups (unless ``init`` is false), model (DDP-wrapped chunks), optimizer and
-    batch transform for a mode: ``single``/``tp``/``tp-sp`` (stock local spec), ``tp-cp``
-    (baseline spec, TP+SP x CP), ``tsp``; ``config_overrides`` go to the TransformerConfig.
-    The one builder of the tests' GPT models."""
+    batch transform for ``single`` (the world=1 reference: megatron's stock local spec) or a
+    mode of ``megatron_tsp.run.modes`` (its layers and batch transform, as training builds
+    them; ``block_spec=False`` gives TSP the bare layer spec Megatron-LM's ``--spec`` uses);
+    ``config_overrides`` go to the TransformerConfig. The one builder of the tests' GPT models."""
     size = tsp if mode == "tsp" else tp
+    ring = mode.endswith("-ring") or ring_mlp  # ring_mlp: beside context parallelism (tp-cp)
     if init and mode == "tsp":
         megatron_tsp.initialize_model_parallel(tsp_size=tsp, pipeline_model_parallel_size=pp)
     elif init:
         megatron_tsp.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp,
-                                               pipeline_model_parallel_size=pp)
+                                               pipeline_model_parallel_size=pp, ring_mlp=ring)
     overrides, position_embedding_type = MODELS[model]
     extra = {}
     if recompute:  # "full", "selective" or "selective:mod1,mod2" (megatron's recompute_modules)
@@ -90,14 +91,16 @@ def setup(mode, model="modern", tsp=1, tp=1, cp=1, pp=1, recompute=None, overlap
             extra.update(recompute_method="uniform", recompute_num_layers=1)
     config = tiny_config(**dict(dict(overrides, **extra, tensor_model_parallel_size=size,
                                      pipeline_model_parallel_size=pp, context_parallel_size=cp,
-                                     sequence_parallel=(mode == "tsp" and tsp > 1) or mode == "tp-sp"
+                                     sequence_parallel=(mode == "tsp" and tsp > 1) or mode.startswith("tp-sp")
                                      or (mode == "tp-cp" and tp > 1)), **config_overrides))
-    if mode == "tsp":
-        spec = megatron_tsp.get_gpt_block_tsp_spec(config) if block_spec else megatron_tsp.get_gpt_layer_tsp_spec()
-    elif mode == "tp-cp" or config.sequence_parallel:  # megatron's own refuses CP (and SP, on a GPU)
-        spec = get_gpt_block_baseline_spec(config)
-    else:
+    args = SimpleNamespace(tsp_size=size if mode == "tsp" else 1, context_parallel_size=cp, qk_layernorm=False,
+                           ring_mlp=ring)
+    if mode == "single":
         spec = get_gpt_layer_local_spec(normalization=config.normalization)
+    elif mode == "tsp" and not block_spec:
+        spec = megatron_tsp.get_gpt_layer_tsp_spec()
+    else:
+        spec = get_mode(mode).spec(args, config, transformer_engine=False)
     torch.manual_seed(SEED)
     model_parallel_cuda_manual_seed(SEED)
     chunks = training.build_model(
@@ -109,7 +112,7 @@ def setup(mode, model="modern", tsp=1, tp=1, cp=1, pp=1, recompute=None, overlap
     optimizer = training.build_optimizer(
         chunks, OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=1.0, weight_decay=0.01,
                                 use_distributed_optimizer=use_distributed_optimizer)) if with_optimizer else None
-    transform = {"tsp": lambda b: zigzag_batch(b, tsp), "tp-cp": get_batch_on_this_cp_rank}.get(mode)
+    transform = None if mode == "single" else get_mode(mode).batch_transform(args)
     return chunks, optimizer, transform
 
 

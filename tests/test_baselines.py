@@ -1,4 +1,5 @@
-"""Stock megatron-core GPT on CPU/gloo: world=1, TP=2, TP=2+SP and TP=4+SP train alike.
+"""Stock megatron-core GPT on CPU/gloo: world=1, TP=2, TP=2+SP and TP=4+SP train alike, and
+so do TP=2 and TP=2+SP with TSP's ring MLP (--ring-mlp).
 
 These are the baselines TSP is measured against; they also exercise every CPU shim on the
 GPTModel + DDP + DistributedOptimizer + get_forward_backward_func path. TP x CP uses the
@@ -36,6 +37,32 @@ def test_tp_cp_baseline_with_flash_core_attention_matches(ranks, reference, tp, 
 def test_tp_cp_baseline_matches_on_rope_gqa_swiglu(ranks, modern_reference, tp, cp):
     for history in ranks(tp * cp, run, "tp-cp", "modern", tp=tp, cp=cp):
         assert_history_close(history, modern_reference)
+
+
+@pytest.mark.parametrize("mode", ["tp-sp-ring", "tp-ring"])
+@pytest.mark.parametrize("model", ["classic", "modern"])  # GeLU/MHA/LayerNorm/bias, SwiGLU/GQA/RMSNorm/RoPE
+def test_ring_mlp_in_tensor_parallel_models_matches_single_process(ranks, reference, modern_reference, mode,
+                                                                   model):
+    """TSP's ring MLP inside a TP(+SP) model: the same training as the world=1 stock model."""
+    for history in ranks(2, run, mode, model, tp=2):
+        assert_history_close(history, reference if model == "classic" else modern_reference)
+
+
+@pytest.mark.parametrize("kwargs", [dict(tp=2, pp=2, recompute="full"), dict(tp=2, cp=2, ring_mlp=True)],
+                         ids=["tp2-pp2-recompute", "tp2-cp2"])
+def test_ring_mlp_composes_with_pipeline_recompute_and_context_parallelism(ranks, modern_reference,
+                                                                          pp_checkpoint, kwargs):
+    mode = "tp-cp" if "cp" in kwargs else "tp-sp-ring"
+    load = pp_checkpoint if "pp" in kwargs else None  # stages initialise from other RNG states
+    for history in ranks(4, run, mode, "modern", load=load, **kwargs):
+        assert_history_close(history, modern_reference)
+
+
+@pytest.fixture(scope="module")
+def pp_checkpoint(ranks, tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("single") / "init")
+    ranks(1, run, "single", "modern", steps=0, save=path)
+    return path
 
 
 def test_plain_optimizer_matches_distributed_optimizer(ranks, reference):

@@ -15,8 +15,9 @@ BENCH_CONFIG = os.path.join(ROOT, "configs", "bench-cpu.yaml")  # RoPE, GQA, Swi
 
 
 def test_modes_agree_on_a_rope_gqa_swiglu_model(ranks):
-    result = bench.run(BENCH_CONFIG, [64], ["tsp", "tsp-no-overlap", "tp-sp", "tp-cp"], repeats=1, steps=1,
-                       warmup=0, runner=lambda fn, *args: ranks(2, fn, *args), nproc=2)
+    modes = ["tsp", "tsp-no-overlap", "tp-sp", "tp-sp-ring", "tp-cp"]
+    result = bench.run(BENCH_CONFIG, [64], modes, repeats=1, steps=1, warmup=0,
+                       runner=lambda fn, *args: ranks(2, fn, *args), nproc=2)
     entry = result["results"][64]
     losses = {mode: r["first_step_loss"] for mode, r in entry.items()}
     ref = losses["tp-sp"]

@@ -55,3 +55,14 @@ def test_other_checkpoints_load_into_tsp(ranks, tmp_path, mode, size):
     expected = ranks(size, _train_save_continue, mode, size, path)[0]
     for history in ranks(2, _load_continue, "tsp", 2, path):
         assert_history_close(history, expected)
+
+
+@pytest.mark.parametrize("saved,loaded", [("tp-sp", "tp-sp-ring"), ("tp-sp-ring", "tp-sp")],
+                         ids=["tp2-sp-into-ring", "ring-into-tp2-sp"])
+def test_ring_mlp_checkpoints_move_both_ways(ranks, tmp_path, saved, loaded):
+    """The ring MLP keeps TP+SP's parameters, names and sharding: a checkpoint of either
+    resumes in the other with the uninterrupted run's losses."""
+    path = str(tmp_path / saved)
+    expected = ranks(2, _train_save_continue, saved, 2, path)[0]
+    for history in ranks(2, _load_continue, loaded, 2, path):
+        assert_history_close(history, expected)

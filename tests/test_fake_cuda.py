@@ -11,17 +11,18 @@ import shutil
 import fake_cuda
 import pytest
 
-MODES = ("tsp", "tsp-no-overlap", "tp", "tp-sp", "tp-cp")
+MODES = ("tsp", "tsp-no-overlap", "tp", "tp-sp", "tp-sp-ring", "tp-ring", "tp-cp")
 BACKENDS = ("flash", "cudnn", "efficient", "flash_attn")
 TINY, SEVEN_B = "configs/tiny-cpu.yaml", "configs/7b/128k-tsp8.yaml"
 ODD = {"bf16": True, "seq_length": 120, "max_position_embeddings": 120}  # zigzag chunks of 30 and 60 tokens
 CASES = (
     # every GPU kernel, bf16, on the default config at a length no kernel tile divides
-    [dict(config=TINY, mode=m, backend=b, overrides=ODD) for m in ("tsp", "tp-sp", "tp-cp") for b in BACKENDS]
+    [dict(config=TINY, mode=m, backend=b, overrides=ODD)
+     for m in ("tsp", "tp-sp", "tp-sp-ring", "tp-cp") for b in BACKENDS]
     # the default config as it is (fp32: auto picks the memory-efficient kernel)
     + [dict(config=TINY, mode=m) for m in MODES]
     # the paper's 7B at 128K (D=8, bf16, full recompute) at 2 layers, auto (the flash kernel)
-    + [dict(config=SEVEN_B, mode=m, overrides={"num_layers": 2}) for m in ("tsp", "tp", "tp-sp", "tp-cp")]
+    + [dict(config=SEVEN_B, mode=m, overrides={"num_layers": 2}) for m in ("tsp", "tp", "tp-sp", "tp-sp-ring", "tp-cp")]
 )
 
 

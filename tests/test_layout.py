@@ -16,7 +16,7 @@ ALLOWED = {
     "device": set(),
     "env": {"device"},
     "errors": set(),
-    "megatron_lm": {"core"},
+    "megatron_lm": {"core", "env"},
     "cli": {"core", "run", "measure", "device", "env", "errors"},
     "__init__": set(),  # names only, imported lazily by string
 }

@@ -41,11 +41,37 @@ def test_unsupported_flags_are_one_line_errors(argv, message):
         megatron_lm.translate_argv(["x", "--tsp-size", "4", *argv])
 
 
+def test_ring_mlp_keeps_the_tensor_parallel_layout_and_adds_its_spec():
+    argv = ["x", "--tensor-model-parallel-size", "2", "--sequence-parallel", "--ring-mlp"]
+    assert megatron_lm.translate_argv(argv) == argv + ["--spec", "megatron_tsp.megatron_lm", "ring_layer_spec"]
+    assert megatron_lm.translate_argv(["x", "--tensor-model-parallel-size=4", "--ring-mlp", "--qk-layernorm"])[-1] == \
+        "ring_layer_spec_qk_layernorm"
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--ring-mlp"], "--ring-mlp needs --tensor-model-parallel-size 2 or more"),
+    (["--tsp-size", "2", "--ring-mlp"], "--ring-mlp applies to a tensor-parallel model"),
+    (["--tensor-model-parallel-size", "2", "--ring-mlp", "--num-experts", "8"],
+     "--num-experts cannot be used with --ring-mlp at --tensor-model-parallel-size 2"),
+    (["--tensor-model-parallel-size", "4", "--ring-mlp", "--ffn-hidden-size", "6"],
+     "--ffn-hidden-size 6 is not divisible by --tensor-model-parallel-size 4"),
+    (["--tensor-model-parallel-size", "2", "--ring-mlp", "--spec", "a", "b"], "--spec cannot be used with --ring-mlp"),
+])
+def test_ring_mlp_misuse_is_one_line(argv, message):
+    with pytest.raises(SystemExit, match=message):
+        megatron_lm.translate_argv(["x", *argv])
+
+
 def test_spec_objects_are_layer_specs():
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
+    from megatron_tsp.core.mlp import TSPMLP
+
     assert megatron_lm.layer_spec.module is TransformerLayer
     assert megatron_lm.layer_spec.submodules.self_attention.submodules.core_attention is not None
+    ring = megatron_lm.ring_layer_spec  # megatron's own attention, the ring MLP, the norm apart from fc1
+    assert ring.module is TransformerLayer and ring.submodules.mlp.module is TSPMLP
+    assert ring.submodules.sharded_state_dict_keys_map["pre_mlp_layernorm."] == "mlp.linear_fc1.layer_norm_"
 
 
 PARSE = r"""
@@ -61,7 +87,7 @@ print("|".join(map(str, (args.tsp_size, args.tensor_model_parallel_size, args.se
 
 
 @needs_megatron_lm
-@pytest.mark.parametrize("name", ["128k-tsp8", "128k-tp8-sp", "128k-tp4-cp2", "16k-tsp8"])
+@pytest.mark.parametrize("name", ["128k-tsp8", "128k-tp8-sp", "128k-tp8-sp-ring", "128k-tp4-cp2", "16k-tsp8"])
 def test_rendered_configs_parse_with_megatron_lm(name):
     flags = subprocess.run([sys.executable, "-m", "megatron_tsp.cli", "args",
                             os.path.join(ROOT, "configs", "7b", f"{name}.yaml")],
@@ -74,6 +100,8 @@ def test_rendered_configs_parse_with_megatron_lm(name):
     assert seq == ("131072" if name.startswith("128k") else "16384")
     if "tsp" in name:
         assert (tsp, tp, sp) == ("8", "8", "True") and "megatron_tsp.megatron_lm" in spec
+    elif "ring" in name:
+        assert (tsp, tp, sp) == ("1", "8", "True") and "ring_layer_spec" in spec
     else:
         assert tsp == "1" and spec == "None"
 

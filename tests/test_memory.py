@@ -82,7 +82,7 @@ MODELS = {"gelu-mha": dict(LAYER, ffn_hidden_size=1024),
 
 
 @pytest.mark.parametrize("fused_norm", [True, False], ids=["fused-norm", "torch-norm"])
-@pytest.mark.parametrize("mode", ["tsp", "tp-sp"])
+@pytest.mark.parametrize("mode", ["tsp", "tp-sp", "tp-sp-ring"])
 @pytest.mark.parametrize("model", list(MODELS))
 def test_per_layer_activations_match_the_formula(model, mode, fused_norm):
     """What one layer keeps for backward, tensor by tensor, adds up to Korthikanti et al.'s

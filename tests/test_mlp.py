@@ -1,4 +1,5 @@
-"""TSPMLP against stock megatron-core MLP at world size 1."""
+"""TSPMLP against stock megatron-core MLP at world size 1: under TSP, and as the ring MLP of
+a tensor-parallel model with and without sequence parallelism."""
 
 import itertools
 
@@ -20,7 +21,6 @@ from reference import (
     solo_pg_collection,
 )
 
-import megatron_tsp
 from megatron_tsp.core.mlp import TSPMLP
 from megatron_tsp.measure import counts
 
@@ -28,10 +28,18 @@ SEQ, BATCH, HIDDEN, FFN = 16, 2, 32, 64
 SUBMODULES = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
 
 
-def _build(tsp_size, dtype, swiglu, bias, overlap=True):
+def _group():
+    from megatron.core import parallel_state as mpu
+
+    return mpu.get_tensor_model_parallel_group()  # TSP's group, or the TP group the ring runs over
+
+
+def _build(tsp_size, dtype, swiglu, bias, overlap=True, sequence_parallel=True):
     act = dict(gated_linear_unit=True, activation_func=F.silu) if swiglu else dict(activation_func=F.gelu)
     ref_cfg, tsp_cfg = configs(tsp_size, dtype, hidden_size=HIDDEN, ffn_hidden_size=FFN, num_attention_heads=8,
                                add_bias_linear=bias, **act)
+    if not sequence_parallel:
+        tsp_cfg.sequence_parallel = False
     solo = solo_pg_collection()
     torch.manual_seed(0)
     ref = MLP(ref_cfg, SUBMODULES, ffn_hidden_size=FFN, tp_group=solo.tp)
@@ -55,19 +63,23 @@ def _inputs(dtype):
             torch.randn(SEQ, BATCH, HIDDEN, generator=g).to(dtype))
 
 
+def _rows(full, group, sequence_parallel):
+    return local_rows(full, group) if sequence_parallel else full
+
+
 def _run_tsp(tsp, x_full, dy_full, saved=None):
     """Forward (with ``saved`` counting what it keeps for backward), then backward."""
-    group = megatron_tsp.get_tsp_group()
-    x = local_rows(x_full, group).clone().requires_grad_()
+    group, sp = _group(), tsp.config.sequence_parallel
+    x = _rows(x_full, group, sp).clone().requires_grad_()
     with saved or SavedBytes():
         out, bias = tsp(x)
-    out.backward(local_rows(dy_full, group))
+    out.backward(_rows(dy_full, group, sp))
     return out, bias, x
 
 
-def _one_case(tsp_size, dtype, swiglu, bias):
-    group = megatron_tsp.get_tsp_group()
-    ref, tsp = _build(tsp_size, dtype, swiglu, bias)
+def _one_case(tsp_size, dtype, swiglu, bias, sequence_parallel=True):
+    group = _group()
+    ref, tsp = _build(tsp_size, dtype, swiglu, bias, sequence_parallel=sequence_parallel)
     x_full, dy_full = _inputs(dtype)
     x_ref = x_full.clone().requires_grad_()
     out_ref, bias_ref = ref(x_ref)
@@ -77,23 +89,27 @@ def _one_case(tsp_size, dtype, swiglu, bias):
     assert torch.equal(tsp.linear_fc1.weight, _fc1_shard(ref.linear_fc1.weight, swiglu, group))
     assert torch.equal(tsp.linear_fc2.weight, shard_of(ref.linear_fc2.weight, 1, group))
     errors = {
-        "output": rel_err(out, local_rows(out_ref, group)),
-        "dx": rel_err(x.grad, local_rows(x_ref.grad, group)),
+        "output": rel_err(out, _rows(out_ref, group, sequence_parallel)),
+        "dx": rel_err(x.grad, _rows(x_ref.grad, group, sequence_parallel)),
         "dW1": rel_err(tsp.linear_fc1.weight.grad, _fc1_shard(ref.linear_fc1.weight.grad, swiglu, group)),
         "dW2": rel_err(tsp.linear_fc2.weight.grad, shard_of(ref.linear_fc2.weight.grad, 1, group)),
     }
     if bias:
         errors["db1"] = rel_err(tsp.linear_fc1.bias.grad, _fc1_shard(ref.linear_fc1.bias.grad, swiglu, group))
         assert out_bias is tsp.linear_fc2.bias and torch.equal(out_bias, bias_ref)
-        errors["db2"] = replicated_bias_error(out_bias, bias_ref, dy_full, group)
+        if sequence_parallel:
+            errors["db2"] = replicated_bias_error(out_bias, bias_ref, dy_full, group)
     else:
         assert out_bias is None and bias_ref is None
     return errors
 
 
-def _all_cases(tsp_size, dtype):
-    init_tsp(tsp_size)
-    return [((swiglu, bias), _one_case(tsp_size, dtype, swiglu, bias))
+def _all_cases(tsp_size, dtype, layout="tsp"):
+    if layout == "tsp":
+        init_tsp(tsp_size)
+    else:  # the ring MLP of a TP model: tp-sp-ring, or tp-ring without sequence parallelism
+        init_tsp(1, tensor_model_parallel_size=tsp_size, ring_mlp=True)
+    return [((swiglu, bias), _one_case(tsp_size, dtype, swiglu, bias, layout != "tp-ring"))
             for swiglu, bias in itertools.product((False, True), (False, True))]
 
 
@@ -101,6 +117,12 @@ def _all_cases(tsp_size, dtype):
 @pytest.mark.parametrize("tsp_size", [1, 2, 4, 8])
 def test_matches_stock_mlp(ranks, tsp_size, dtype):
     assert_within(ranks(tsp_size, _all_cases, tsp_size, dtype), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("layout", ["tp-sp-ring", "tp-ring"])
+def test_ring_mlp_in_a_tensor_parallel_model_matches_stock_mlp(ranks, layout, dtype):
+    assert_within(ranks(4, _all_cases, 4, dtype, layout), dtype)
 
 
 def _overlap_determinism_and_traffic(tsp_size):

@@ -100,7 +100,8 @@ def test_bad_input_errors(ranks):
 def test_sizes_are_derived_and_checked_locally():
     sizes = ParallelSizes(tsp=2, pp=2, world=8).validate()
     assert (sizes.tensor_slot, sizes.model_parallel, sizes.dp, sizes.sequence_divisor) == (2, 4, 2, 4)
-    assert ParallelSizes(tp=4, cp=2).sequence_divisor == 4 and ParallelSizes(tp=2).sequence_divisor == 2
+    assert ParallelSizes(tp=4, cp=2, split_tokens=True).sequence_divisor == 4
+    assert ParallelSizes(tp=2, split_tokens=True).sequence_divisor == 2 and ParallelSizes(tp=2).sequence_divisor == 1
     with pytest.raises(ValueError, match="world size 6 .* is not a multiple of the model-parallel size 4"):
         ParallelSizes(tsp=4, world=6).validate()
 

@@ -48,11 +48,21 @@ def test_layer_extrapolation_matches_a_full_plan():
 
 
 def test_prediction_has_every_mode_and_a_sweep():
-    result = perfmodel.predict(TINY, HW, nodes=1, modes=["tsp", "tp-sp"], seq_lengths=[128, 256])
-    for mode in ("tsp", "tp-sp"):
+    result = perfmodel.predict(TINY, HW, nodes=1, modes=["tsp", "tp-sp", "tp-sp-ring"], seq_lengths=[128, 256])
+    for mode in ("tsp", "tp-sp", "tp-sp-ring"):
         for key in perfmodel.SCENARIOS:
             r = result["modes"][mode][key]
             assert r["step_s"] >= r["compute_s"] > 0 and 0 < r["mfu"] < 1
         assert result["modes"][mode]["overlap"]["step_s"] <= result["modes"][mode]["no_overlap"]["step_s"]
     assert set(result["sweep"]) == {128, 256}
+    assert set(result["crossover_seq_length"]) == {"tsp", "tp-sp-ring"}
     assert "mi300x" in perfmodel.table(result)
+
+
+def test_crossover_is_where_a_mode_stays_at_least_as_fast_as_tp_sp():
+    def point(mode_s, tp_sp_s):
+        return {"m": {"overlap": {"step_s": mode_s}}, "tp-sp": {"overlap": {"step_s": tp_sp_s}}}
+
+    sweep = {4096: point(2, 1), 8192: point(1, 1), 16384: point(1, 2)}
+    assert perfmodel.crossover(sweep, "m", "overlap") == 8192
+    assert perfmodel.crossover({4096: point(1, 2), 8192: point(2, 1)}, "m", "overlap") is None

@@ -122,3 +122,15 @@ def test_tp_sp_baseline_starts_from_the_same_loss(ranks, tmp_path, uninterrupted
     ranks(2, _train_logged, baseline, tmp_path, log)
     first = _records(log)[0]
     assert abs(first["loss"] - uninterrupted[1]["loss"]) <= 1e-5 * uninterrupted[1]["loss"]
+
+
+def test_ring_mlp_in_tp_sp_trains_from_the_same_loss(tmp_path, uninterrupted):
+    """`megatron-tsp train --tsp-size 1 --tensor-model-parallel-size 2 --sequence-parallel --ring-mlp`."""
+    log = tmp_path / "ring.jsonl"
+    cmd = _cmd(tmp_path, log, "--tsp-size", "1", "--tensor-model-parallel-size", "2", "--sequence-parallel",
+               "--ring-mlp", "--lr-decay-iters", str(ITERS))  # the uninterrupted run's schedule
+    cmd[cmd.index("--train-iters") + 1] = "2"
+    _run(cmd)
+    first, second = _records(log)
+    assert abs(first["loss"] - uninterrupted[1]["loss"]) <= 1e-5 * uninterrupted[1]["loss"]
+    assert abs(second["loss"] - uninterrupted[2]["loss"]) <= 1e-4 * uninterrupted[2]["loss"]

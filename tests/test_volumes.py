@@ -66,3 +66,18 @@ def test_tp_sp_counts_match_the_formula(shared):
     assert _bytes(comm, "tp", "forward", "reduce_scatter") == LAYERS * layer["forward"]["reduce_scatter"] + act
     assert _bytes(comm, "tp", "backward", "all_gather") == LAYERS * layer["backward"]["all_gather"] + 2 * act
     assert _bytes(comm, "tp", "backward", "reduce_scatter") == LAYERS * layer["backward"]["reduce_scatter"] + act
+
+
+def test_ring_mlp_moves_weights_instead_of_activations(shared):
+    """tp-sp-ring: the attention's TP+SP collectives stay (half of a TP+SP layer's), the MLP's
+    are gone, and the ring's weight and gradient traffic takes their place."""
+    args, act = shared
+    _, comm = _plan("tp-sp-ring")
+    layer = volumes.tp_sp_layer(SEQ, args.micro_batch_size, args.hidden_size, D, e=4)
+    mlp = volumes.tsp_mlp(args.hidden_size, args.ffn_hidden_size, D, e=4, gated=args.swiglu)
+    for phase, extra in (("forward", {"all_gather": act, "reduce_scatter": act}),
+                         ("backward", {"all_gather": 2 * act, "reduce_scatter": act})):
+        for primitive in ("all_gather", "reduce_scatter"):
+            attention_only = LAYERS * layer[phase][primitive] // 2
+            assert _bytes(comm, "tp", phase, primitive) == attention_only + extra[primitive], (phase, primitive)
+        assert _bytes(comm, "tsp_weight", phase, "send_recv") == LAYERS * mlp[phase]["send_recv"]

@@ -29,7 +29,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_tsp.core import zigzag
 from megatron_tsp.core.block_attention import block_attention, select_backend
 from megatron_tsp.core.kv import AllGatherKV
-from megatron_tsp.core.spec import norm_spec
+from megatron_tsp.core.spec import norm_spec, with_ring_mlp
 
 
 class FlashDotProductAttention(MegatronModule):
@@ -76,9 +76,11 @@ class FlashDotProductAttention(MegatronModule):
 
 
 def get_gpt_layer_baseline_spec(qk_layernorm: bool = False, attention_backend: str = "auto",
-                                fused_norm: bool = True) -> ModuleSpec:
+                                fused_norm: bool = True, ring_mlp: bool = False,
+                                overlap_comm: bool = True) -> ModuleSpec:
     """megatron's local spec with :class:`FlashDotProductAttention` as core attention and
-    :class:`TSPNorm` norms (``fused_norm``: see :func:`megatron_tsp.core.norm.implementation`)."""
+    :class:`TSPNorm` norms (``fused_norm``: see :func:`megatron_tsp.core.norm.implementation`);
+    with ``ring_mlp``, TSP's ring MLP in place of the MLP (:func:`with_ring_mlp`)."""
     spec = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm)
     norm = norm_spec(fused_norm)
     layer, attention = spec.submodules, spec.submodules.self_attention.submodules
@@ -89,7 +91,7 @@ def get_gpt_layer_baseline_spec(qk_layernorm: bool = False, attention_backend: s
         assert attention.q_layernorm is IdentityOp
     # megatron calls submodules.core_attention(...) directly (no build_module): a callable
     attention.core_attention = partial(FlashDotProductAttention, attention_backend=attention_backend)
-    return spec
+    return with_ring_mlp(spec, fused_norm, overlap_comm) if ring_mlp else spec
 
 
 def get_gpt_block_baseline_spec(config: TransformerConfig, vp_stage: Optional[int] = None,

@@ -1,4 +1,4 @@
-"""TSP MLP: weight shards rotate around a ring of point-to-point sends.
+"""The ring MLP: weight shards rotate around a ring of point-to-point sends.
 
 Rank p holds its tokens ``x_p: [S/D, b, h]`` and fc1/fc2 shard p in megatron's
 tensor-parallel layout (this class *is* a megatron ``MLP``; only ``forward`` differs). The
@@ -12,6 +12,13 @@ no all-reduce, no all-gather. Backward runs the ring again, with a gradient accu
 travelling behind each shard to its owner (``streaming.ShardRing``). Saved for backward:
 ``x_p`` and the fc1 output of every shard for this rank's tokens (1/D of what one device
 saves); only the elementwise activation is recomputed.
+
+It is TSP's MLP, and it drops into a tensor-parallel model as it is (``--ring-mlp``): TP's
+fc1 column and fc2 row shards are its shards, and TP+SP's pre-MLP norm hands it the
+sequence-sharded ``[S/D, b, h]`` its output goes back to; the MLP's activation collectives
+(all-gather before fc1, reduce-scatter after fc2, the all-gather again in backward) become
+weight traffic that does not grow with S. Without sequence parallelism each rank takes its
+1/D of the (replicated) tokens, and one all-gather of the output replaces TP's all-reduce.
 """
 
 from __future__ import annotations
@@ -22,17 +29,22 @@ from typing import Callable, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from megatron.core.tensor_parallel.mappings import (
+    gather_from_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+)
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_tsp.core import comm
-from megatron_tsp.core.parallel_state import resolve_tsp_groups
+from megatron_tsp.core.parallel_state import is_tsp_group, resolve_ring_groups
 from megatron_tsp.core.streaming import ShardRing, grad_product, linear_pair_shard
 from megatron_tsp.core.support import check_mlp_config, require
 
 
 class TSPMLP(MLP):
-    """Drop-in for megatron's ``MLP`` under TSP (same parameters, init and checkpoints).
+    """Drop-in for megatron's ``MLP`` under TSP, or as the ring MLP of a TP model (same
+    parameters, init and checkpoints; :func:`resolve_ring_groups` says which).
 
     ``overlap_comm``: the next shard travels while this one computes.
     """
@@ -47,10 +59,11 @@ class TSPMLP(MLP):
         tp_group: Optional[torch.distributed.ProcessGroup] = None,
         overlap_comm: bool = True,
     ):
-        group, weight_group = resolve_tsp_groups(group=tp_group)
-        require("--num-experts", is_expert, group.size(), "TSPMLP")
+        group, weight_group = resolve_ring_groups(group=tp_group)
+        self.under = "--tsp-size" if is_tsp_group(group) else "--ring-mlp"
+        require("--num-experts", is_expert, group.size(), "TSPMLP", self.under)
         ffn_hidden_size = ffn_hidden_size or config.ffn_hidden_size
-        check_mlp_config(config, group.size(), ffn_hidden_size)
+        check_mlp_config(config, group.size(), ffn_hidden_size, self.under)
         super().__init__(config, submodules, False, input_size, ffn_hidden_size, group)
         self.tsp_group = group
         self.weight_group = weight_group
@@ -73,10 +86,16 @@ class TSPMLP(MLP):
 
     def forward(self, hidden_states: torch.Tensor, per_token_scale=None, **kwargs
                 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        require("--num-experts", per_token_scale is not None, self.tsp_group.size(), "TSPMLP")
+        require("--num-experts", per_token_scale is not None, self.tsp_group.size(), "TSPMLP", self.under)
         args = MLPScheduleArgs(self.weight_group, self.activation, self.config.hidden_size,
                                has_bias=self.linear_fc1.bias is not None, overlap=self.overlap_comm)
-        return RotateMLPShards.apply(args, hidden_states, *self.shard_tensors()), self.linear_fc2.bias
+        if self.config.sequence_parallel:
+            return RotateMLPShards.apply(args, hidden_states, *self.shard_tensors()), self.linear_fc2.bias
+        # replicated tokens: this rank's 1/D in, everyone's out (backward: the slice, then the gather)
+        mine = scatter_to_sequence_parallel_region(hidden_states, group=self.tsp_group)
+        output = RotateMLPShards.apply(args, mine, *self.shard_tensors())
+        full = gather_from_sequence_parallel_region(output, tensor_parallel_output_grad=False, group=self.tsp_group)
+        return full, self.linear_fc2.bias
 
 
 @dataclass(frozen=True)

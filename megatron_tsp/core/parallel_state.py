@@ -28,6 +28,9 @@ _TSP_GROUP: Optional[dist.ProcessGroup] = None
 # sends, gradient reduces) must not queue behind the K/V all-gathers on the same stream.
 _TSP_WEIGHT_GROUP: Optional[dist.ProcessGroup] = None
 _TSP_SIZE: Optional[int] = None
+# The ring MLP in a plain tensor-parallel model (--ring-mlp): its weight-traffic communicator
+# over the tensor-parallel ranks.
+_RING_WEIGHT_GROUP: Optional[dist.ProcessGroup] = None
 
 
 @dataclasses.dataclass(init=False, repr=False)
@@ -44,7 +47,7 @@ class TSPProcessGroupCollection(ProcessGroupCollection):
 
 def initialize_model_parallel(
     tsp_size: int = 1, pipeline_model_parallel_size: int = 1, device: Optional[torch.device] = None,
-    **megatron_kwargs
+    ring_mlp: bool = False, **megatron_kwargs
 ) -> None:
     """Set up megatron-core's parallel state with TSP on the tensor-parallel slot.
 
@@ -52,9 +55,11 @@ def initialize_model_parallel(
     (for example ``virtual_pipeline_model_parallel_size``, ``distributed_timeout_minutes``).
     With ``tsp_size == 1`` a ``tensor_model_parallel_size`` > 1 gives a plain TP baseline.
     ``device``: the device of this rank's collectives; the TSP communicators are then
-    created now (:func:`warm_up`) rather than in the middle of the first step.
+    created now (:func:`warm_up`) rather than in the middle of the first step. ``ring_mlp``
+    (plain TP): the ring MLP's communicator over the tensor-parallel ranks
+    (:func:`resolve_ring_groups`).
     """
-    global _TSP_GROUP, _TSP_WEIGHT_GROUP, _TSP_SIZE
+    global _TSP_GROUP, _TSP_WEIGHT_GROUP, _TSP_SIZE, _RING_WEIGHT_GROUP
     if _TSP_SIZE is not None or mpu.model_parallel_is_initialized():
         raise ValueError(
             "model parallel state is already initialized; call "
@@ -80,80 +85,93 @@ def initialize_model_parallel(
     # and plain TP is on (a TSP module there would be a mistake).
     if tp == 1:
         _TSP_GROUP = mpu.get_tensor_model_parallel_group()
-        _TSP_WEIGHT_GROUP = _new_weight_group(tsp_size, megatron_kwargs)
+        _TSP_WEIGHT_GROUP = _new_weight_group(_TSP_GROUP, megatron_kwargs)
         if device is not None:
-            warm_up(device)
+            warm_up(device, _TSP_GROUP, _TSP_WEIGHT_GROUP)
+    elif ring_mlp:
+        _RING_WEIGHT_GROUP = _new_weight_group(mpu.get_tensor_model_parallel_group(), megatron_kwargs)
+        if device is not None:
+            warm_up(device, mpu.get_tensor_model_parallel_group(), _RING_WEIGHT_GROUP)
 
 
-def adopt_megatron_groups(tsp_size: int) -> None:
-    """Register TSP on a megatron parallel state someone else initialised with
-    ``tensor_model_parallel_size = tsp_size`` (Megatron-LM's ``initialize_megatron``).
-    Collective (creates the weight-traffic groups); a second call is a no-op."""
-    global _TSP_GROUP, _TSP_WEIGHT_GROUP, _TSP_SIZE
-    if _TSP_SIZE is not None:
+def adopt_megatron_groups(tsp_size: int, ring_mlp: bool = False) -> None:
+    """Register TSP (``tsp_size`` > 1) or the ring MLP (``ring_mlp``) on a megatron parallel
+    state someone else initialised with ``tensor_model_parallel_size = tsp_size`` or the
+    ring's TP size (Megatron-LM's ``initialize_megatron``). Collective (creates the
+    weight-traffic groups); a second call is a no-op."""
+    global _TSP_GROUP, _TSP_WEIGHT_GROUP, _TSP_SIZE, _RING_WEIGHT_GROUP
+    if _TSP_SIZE is not None or _RING_WEIGHT_GROUP is not None:
         return
     tp = mpu.get_tensor_model_parallel_world_size()
+    group = mpu.get_tensor_model_parallel_group()
+    # Megatron-LM has set the current device already; its collectives run there
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else \
+        torch.device("cpu")
+    if ring_mlp and tsp_size == 1:
+        _RING_WEIGHT_GROUP = _new_weight_group(group, {})
+        warm_up(device, group, _RING_WEIGHT_GROUP)
+        return
     if tp != tsp_size:
         raise ValueError(f"--tsp-size {tsp_size} but megatron's tensor-parallel size is {tp}; "
                          "launch through megatron_tsp.megatron_lm.translate_argv")
     _TSP_SIZE = tsp_size
-    _TSP_GROUP = mpu.get_tensor_model_parallel_group()
-    _TSP_WEIGHT_GROUP = _new_weight_group(tsp_size, {})
-    # Megatron-LM has set the current device already; its collectives run there
-    nccl = dist.get_backend(_TSP_GROUP) == "nccl"
-    warm_up(torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu"))
+    _TSP_GROUP = group
+    _TSP_WEIGHT_GROUP = _new_weight_group(group, {})
+    warm_up(device, _TSP_GROUP, _TSP_WEIGHT_GROUP)
 
 
-def warm_up(device: torch.device) -> None:
+def warm_up(device: torch.device, group: dist.ProcessGroup, weight_group: dist.ProcessGroup) -> None:
     """Create the TSP communicators now: NCCL/RCCL create a communicator at its first
     collective and a point-to-point pair at its first send, which would otherwise happen in
     the middle of the first step (and be counted in its time). One all-reduce on each TSP
     group and one ring exchange (to the next rank, from the previous) on the weight group,
-    as TSP's layers use them. Collective over the TSP group."""
-    d_size = _TSP_GROUP.size()
+    as TSP's layers use them. Collective over the group."""
+    d_size = group.size()
     if d_size == 1:
         return
     probe = torch.zeros(1, device=device)
-    for group in {id(g): g for g in (_TSP_GROUP, _TSP_WEIGHT_GROUP)}.values():
-        dist.all_reduce(probe, group=group)
-    rank = _TSP_WEIGHT_GROUP.rank()
+    for g in {id(g): g for g in (group, weight_group)}.values():
+        dist.all_reduce(probe, group=g)
+    rank = weight_group.rank()
     incoming = torch.empty_like(probe)
-    ops = [dist.P2POp(dist.isend, probe, dist.get_global_rank(_TSP_WEIGHT_GROUP, (rank + 1) % d_size),
-                      _TSP_WEIGHT_GROUP),
-           dist.P2POp(dist.irecv, incoming, dist.get_global_rank(_TSP_WEIGHT_GROUP, (rank - 1) % d_size),
-                      _TSP_WEIGHT_GROUP)]
+    ops = [dist.P2POp(dist.isend, probe, dist.get_global_rank(weight_group, (rank + 1) % d_size), weight_group),
+           dist.P2POp(dist.irecv, incoming, dist.get_global_rank(weight_group, (rank - 1) % d_size), weight_group)]
     for work in dist.batch_isend_irecv(ops):
         work.wait()
 
 
-def _new_weight_group(tsp_size: int, megatron_kwargs) -> dist.ProcessGroup:
-    if tsp_size == 1:
-        return _TSP_GROUP
+def _new_weight_group(group: dist.ProcessGroup, megatron_kwargs) -> dist.ProcessGroup:
+    """A second communicator over the ranks of ``group``, one of the consecutive-rank groups
+    megatron lays the tensor-parallel slot out as."""
+    size = group.size()
+    if size == 1:
+        return group
     timeout = datetime.timedelta(minutes=megatron_kwargs.get("distributed_timeout_minutes", 30))
     mine = None
-    # new_group is collective over the world: every rank creates every TSP group, in order.
-    for start in range(0, dist.get_world_size(), tsp_size):
-        ranks = list(range(start, start + tsp_size))
-        group = dist.new_group(ranks, timeout=timeout)
+    # new_group is collective over the world: every rank creates every group, in order.
+    for start in range(0, dist.get_world_size(), size):
+        ranks = list(range(start, start + size))
+        new = dist.new_group(ranks, timeout=timeout)
         if dist.get_rank() in ranks:
-            mine = group
-    assert dist.get_process_group_ranks(mine) == dist.get_process_group_ranks(_TSP_GROUP)
+            mine = new
+    assert dist.get_process_group_ranks(mine) == dist.get_process_group_ranks(group)
     return mine
 
 
 def destroy_model_parallel() -> None:
-    global _TSP_GROUP, _TSP_WEIGHT_GROUP, _TSP_SIZE
+    global _TSP_GROUP, _TSP_WEIGHT_GROUP, _TSP_SIZE, _RING_WEIGHT_GROUP
     # Like megatron's destroy_model_parallel, forget the groups without destroying them:
     # a destroyed gloo group's rendezvous keys can be picked up by the next group created
     # over the same ranks, which then connects to closed sockets.
     _TSP_GROUP = None
     _TSP_WEIGHT_GROUP = None
     _TSP_SIZE = None
+    _RING_WEIGHT_GROUP = None
     mpu.destroy_model_parallel()
 
 
 def is_initialized() -> bool:
-    return _TSP_SIZE is not None
+    return _TSP_SIZE is not None or _RING_WEIGHT_GROUP is not None
 
 
 def get_tsp_group() -> dist.ProcessGroup:
@@ -173,6 +191,16 @@ def get_tsp_weight_group() -> dist.ProcessGroup:
     """A second communicator over the TSP ranks, for weight-shard traffic."""
     get_tsp_group()
     return _TSP_WEIGHT_GROUP
+
+
+def is_tsp_group(group: dist.ProcessGroup) -> bool:
+    return _TSP_GROUP is not None and group is _TSP_GROUP
+
+
+def get_weight_group() -> Optional[dist.ProcessGroup]:
+    """The communicator of weight-shard traffic: TSP's, or the ring MLP's in a TP model (None
+    when neither runs)."""
+    return _TSP_WEIGHT_GROUP if _TSP_GROUP is not None else _RING_WEIGHT_GROUP
 
 
 def get_tsp_world_size() -> int:
@@ -213,3 +241,16 @@ def resolve_tsp_groups(
     if _TSP_GROUP is not None and group is _TSP_GROUP:
         return group, _TSP_WEIGHT_GROUP
     return group, group
+
+
+def resolve_ring_groups(group: Optional[dist.ProcessGroup] = None) -> Tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """(group, weight-traffic group) of the ring MLP: ``group`` if given; else TSP's groups;
+    else, in a tensor-parallel model initialised with ``ring_mlp``, the tensor-parallel group
+    and the ring's communicator."""
+    if group is None and _TSP_GROUP is None and _RING_WEIGHT_GROUP is not None:
+        return mpu.get_tensor_model_parallel_group(), _RING_WEIGHT_GROUP
+    if group is None and _TSP_SIZE is None:
+        raise RuntimeError("the ring MLP needs TSP groups or a ring over the tensor-parallel group; call "
+                           "megatron_tsp.initialize_model_parallel(tsp_size=D) or (tensor_model_parallel_size=D, "
+                           "ring_mlp=True)")
+    return resolve_tsp_groups(group=group)

@@ -23,6 +23,7 @@ class ParallelSizes:
     cp: int = 1
     pp: int = 1
     world: Optional[int] = None  # ranks of the job; None: one model replica
+    split_tokens: bool = False  # the tensor-parallel ranks split the sequence (SP, or the ring MLP)
 
     @classmethod
     def of(cls, args: Any, world: Optional[int] = None) -> "ParallelSizes":
@@ -30,7 +31,7 @@ class ParallelSizes:
         get = args.get if isinstance(args, dict) else lambda key, default: getattr(args, key, default)
         return cls(tsp=get("tsp_size", 1) or 1, tp=get("tensor_model_parallel_size", 1) or 1,
                    cp=get("context_parallel_size", 1) or 1, pp=get("pipeline_model_parallel_size", 1) or 1,
-                   world=world)
+                   world=world, split_tokens=bool(get("sequence_parallel", False) or get("ring_mlp", False)))
 
     @property
     def tensor_slot(self) -> int:
@@ -58,8 +59,9 @@ class ParallelSizes:
     @property
     def sequence_divisor(self) -> int:
         """The sequence length must be a multiple of this: the zigzag layout cuts it in 2 x TSP
-        or 2 x CP chunks, megatron's sequence parallelism in TP pieces."""
-        return math.lcm(2 * self.tsp if self.tsp > 1 else 1, 2 * self.cp if self.cp > 1 else 1, self.tp)
+        or 2 x CP chunks, sequence parallelism (and the ring MLP) in TP pieces."""
+        return math.lcm(2 * self.tsp if self.tsp > 1 else 1, 2 * self.cp if self.cp > 1 else 1,
+                        self.tp if self.split_tokens else 1)
 
     def as_dict(self) -> Dict[str, int]:
         return {"tsp": self.tsp, "tp": self.tp, "cp": self.cp, "pp": self.pp, "dp": self.dp,

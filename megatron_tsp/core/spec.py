@@ -6,6 +6,7 @@ a TSP checkpoint and a TP(+SP) checkpoint of the same model hold the same tensor
 
 from __future__ import annotations
 
+import copy
 import logging
 from typing import Optional
 
@@ -112,3 +113,20 @@ def get_gpt_block_tsp_spec(
     num_layers = get_num_layers_to_build(config, vp_stage, pp_rank)
     return TransformerBlockSubmodules(layer_specs=[layer] * num_layers,
                                       layer_norm=norm_spec(layer_kwargs.get("fused_norm", True)))
+
+
+def with_ring_mlp(layer_spec: ModuleSpec, fused_norm: bool = True, overlap_comm: bool = True) -> ModuleSpec:
+    """``layer_spec`` (megatron's local or TransformerEngine layer spec) with TSP's ring MLP in
+    place of its MLP, over the tensor-parallel group (``--ring-mlp``). The pre-MLP norm is a
+    module of its own (TransformerEngine's spec fuses it into fc1, whose weights the ring
+    sends), saved under the fused norm's checkpoint key, so that checkpoints of the stock
+    layer load unchanged."""
+    logging.getLogger("megatron.core.transformer.transformer_layer").addFilter(_EXPECTED_MLP_WARNING)
+    spec = copy.deepcopy(layer_spec)
+    layer = spec.submodules
+    layer.pre_mlp_layernorm = norm_spec(fused_norm)
+    layer.mlp = ModuleSpec(module=TSPMLP, params={"overlap_comm": overlap_comm},
+                           submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear))
+    layer.sharded_state_dict_keys_map = dict(layer.sharded_state_dict_keys_map or {},
+                                             **{"pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"})
+    return spec

@@ -28,9 +28,10 @@ class Rule:
     *feature* TSP does not implement (any use refused). ``flag``: the Megatron-LM flag; its
     argument name (``--num-experts`` -> ``num_experts``) is the key of configs and of
     Megatron-LM's args. ``attr``: the ``TransformerConfig`` field when it differs from the
-    key (None: not on the config). ``layer``: the TSP layers it concerns (``all``,
-    ``attention``, ``mlp``; ``launch``: only the command line has it). ``type``: how a
-    command-line value reads."""
+    key (None: not on the config). ``layer``: what it concerns (``layout``: TSP's place among
+    the parallel dimensions; ``all``, ``attention``, ``mlp``: the TSP layers; ``launch``: only
+    the command line has it; the ring MLP in a TP model reads ``all`` and ``mlp``). ``type``:
+    how a command-line value reads."""
 
     flag: str
     why: str
@@ -60,18 +61,20 @@ class Rule:
             return not value
         return self.ok(value, tsp_size)
 
-    def message(self, value: Any, tsp_size: int, name: Optional[str] = None) -> str:
-        """One line: the setting (``name``, default the flag), what TSP at this size needs,
-        why, and the fix."""
+    def message(self, value: Any, tsp_size: int, name: Optional[str] = None, under: str = "--tsp-size") -> str:
+        """One line: the setting (``name``, default the flag), what TSP (``under``: the flag
+        that turned TSP's layer on, and whose size D is) needs at this size, why, and the fix."""
         name = name or self.flag
+        size_flag = "--tsp-size" if under == "--tsp-size" else "--tensor-model-parallel-size"
+        with_ = f"--tsp-size {tsp_size}" if under == "--tsp-size" else f"{under} at {size_flag} {tsp_size}"
         if self.divisor:
-            by = f"--tsp-size {tsp_size}" if self.divisor == 1 else \
-                f"{self.divisor} x --tsp-size = {self.divisor * tsp_size}"
+            by = f"{size_flag} {tsp_size}" if self.divisor == 1 else \
+                f"{self.divisor} x {size_flag} = {self.divisor * tsp_size}"
             return f"{name} {value} is not divisible by {by}: {self.why}; {self.fix}"
         if self.feature:
-            return f"{name} cannot be used with --tsp-size {tsp_size}: {self.why}; {self.fix}"
+            return f"{name} cannot be used with {with_}: {self.why}; {self.fix}"
         got = ("on" if value else "off") if isinstance(value, bool) else value
-        return f"{name} must be {self.must} with --tsp-size {tsp_size} (got {got}): {self.why}; {self.fix}"
+        return f"{name} must be {self.must} with {with_} (got {got}): {self.why}; {self.fix}"
 
 
 def _size(flag: str, divisor: int, why: str, fix: str, **kw) -> Rule:
@@ -89,9 +92,10 @@ def _feature(flag: str, why: str, fix: str = "turn it off", **kw) -> Rule:
 RULES: List[Rule] = [
     # the parallel layout
     _value("--tensor-model-parallel-size", "1", lambda v, d: v in (None, 1), "TSP occupies the tensor-parallel slot",
-           attr=None),
-    _value("--context-parallel-size", "1", lambda v, d: v in (None, 1), "TSP already shards the sequence"),
-    _value("--sequence-parallel", "on", lambda v, d: bool(v), "TSP shards the sequence"),
+           attr=None, layer="layout"),
+    _value("--context-parallel-size", "1", lambda v, d: v in (None, 1), "TSP already shards the sequence",
+           layer="layout"),
+    _value("--sequence-parallel", "on", lambda v, d: bool(v), "TSP shards the sequence", layer="layout"),
     _value("--attention-dropout", "0", lambda v, d: not v, "TSP's attention kernel has no dropout",
            layer="attention", type=float),
     # sizes
@@ -100,9 +104,9 @@ RULES: List[Rule] = [
     _size("--num-query-groups", 1, "TSP gives every rank whole KV heads",
           "choose a TSP size that divides the KV head count", layer="attention"),
     _size("--ffn-hidden-size", 1, "every rank holds 1/D of the MLP",
-          "choose an ffn size that is a multiple of the TSP size", layer="mlp"),
+          "choose an ffn size that is a multiple of D", layer="mlp"),
     _size("--seq-length", 2, "the zigzag layout gives every rank two chunks", "use a multiple of 2 x the TSP size",
-          attr=None),
+          attr=None, layer="layout"),
     # features TSP does not implement
     _feature("--num-experts", "mixture-of-experts is not implemented", attr="num_moe_experts"),
     _feature("--multi-latent-attention", "multi-latent attention is not implemented"),
@@ -113,7 +117,7 @@ RULES: List[Rule] = [
     _feature("--attention-output-gate", "gated attention output is not implemented", layer="attention"),
     _feature("--window-size", "sliding-window attention is not implemented", layer="attention"),
     _feature("--mrope-section", "multimodal RoPE is not implemented", layer="attention"),
-    _feature("--use-te-activation-func", "TSP's MLP applies the activation itself", layer="mlp"),
+    _feature("--use-te-activation-func", "the ring MLP applies the activation itself", layer="mlp"),
     # Megatron-LM command line only
     _feature("--spec", "the TSP layer spec is chosen by --tsp-size", "drop --spec", attr=None, layer="launch"),
     _feature("--use-legacy-models", "TSP needs megatron-core models", "drop --use-legacy-models", attr=None,
@@ -124,38 +128,39 @@ RULES: List[Rule] = [
 ]
 
 
-def violations(values: Mapping[str, Any], tsp_size: int, layers=("all", "attention", "mlp"),
-               name: Callable[[Rule], str] = lambda rule: rule.flag) -> Iterator[str]:
+def violations(values: Mapping[str, Any], tsp_size: int, layers=("layout", "all", "attention", "mlp"),
+               name: Callable[[Rule], str] = lambda rule: rule.flag, under: str = "--tsp-size") -> Iterator[str]:
     """The message of every rule of ``layers`` that a setting of ``values`` (``{flag: value}``;
     a flag that is not there is not checked) breaks at TSP size ``tsp_size``; ``name(rule)``:
-    how the source names the setting."""
+    how the source names the setting; ``under``: see :meth:`Rule.message`."""
     if tsp_size <= 1:
         return
     for rule in RULES:
         if rule.layer in layers and rule.flag in values and not rule.allows(values[rule.flag], tsp_size):
-            yield rule.message(values[rule.flag], tsp_size, name(rule))
+            yield rule.message(values[rule.flag], tsp_size, name(rule), under)
 
 
-def require(flag: str, value: Any, tsp_size: int, where: str = "") -> None:
+def require(flag: str, value: Any, tsp_size: int, where: str = "", under: str = "--tsp-size") -> None:
     """Raise the one-line ValueError of ``flag``'s rule when ``value`` breaks it (``where``:
     the module or function that found it, as a prefix): for checks made at run time, by code
     that runs only under TSP (at any size)."""
     rule = next(r for r in RULES if r.flag == flag)
     if not rule.allows(value, tsp_size):
-        message = rule.message(value, tsp_size)
+        message = rule.message(value, tsp_size, under=under)
         raise ValueError(f"{where}: {message}" if where else message)
 
 
-def _check_config(config: TransformerConfig, tsp_size: int, module: str, layer: str, **values) -> None:
+def _check_config(config: TransformerConfig, tsp_size: int, module: str, layers, under: str = "--tsp-size",
+                  **values) -> None:
     """``values``: settings of the module that override the config's (by key)."""
     if config.tensor_model_parallel_size != tsp_size:
         raise ValueError(
             f"{module}: TransformerConfig.tensor_model_parallel_size={config.tensor_model_parallel_size} "
-            f"must equal --tsp-size {tsp_size} (TSP occupies the tensor-parallel slot)")
+            f"must equal the size of its group, {tsp_size} (TSP and the ring MLP occupy the tensor-parallel slot)")
     settings = {rule.flag: values[rule.key] if rule.key in values else getattr(config, rule.config_attr())
                 for rule in RULES
                 if rule.key in values or (rule.config_attr() is not None and hasattr(config, rule.config_attr()))}
-    for message in violations(settings, tsp_size, ("all", layer)):
+    for message in violations(settings, tsp_size, layers, under=under):
         raise ValueError(f"{module}: {message}")
 
 
@@ -163,13 +168,15 @@ def check_attention_config(config: TransformerConfig, tsp_size: int, attn_mask_t
     """What ``TSPSelfAttention`` checks at construction (default mask: causal): one ValueError line."""
     from megatron.core.transformer.enums import AttnMaskType
 
-    _check_config(config, tsp_size, "TSPSelfAttention", "attention")
+    _check_config(config, tsp_size, "TSPSelfAttention", ("layout", "all", "attention"))
     if attn_mask_type not in (None, AttnMaskType.causal):
         raise ValueError(f"TSPSelfAttention supports causal attention only (got {attn_mask_type.name}); "
                          "use the TSP layer spec, which sets it")
 
 
-def check_mlp_config(config: TransformerConfig, tsp_size: int, ffn_hidden_size: int) -> None:
-    """What ``TSPMLP`` checks at construction (``ffn_hidden_size``: the MLP's own, which a
-    spec may set apart from the config's)."""
-    _check_config(config, tsp_size, "TSPMLP", "mlp", ffn_hidden_size=ffn_hidden_size)
+def check_mlp_config(config: TransformerConfig, size: int, ffn_hidden_size: int, under: str = "--tsp-size") -> None:
+    """What ``TSPMLP`` checks at construction, in a TSP model or (``under="--ring-mlp"``) as
+    the ring MLP of a TP model (``ffn_hidden_size``: the MLP's own, which a spec may set apart
+    from the config's). Not the layout rules: the ring is token-wise, so it runs beside
+    context parallelism and without sequence parallelism alike."""
+    _check_config(config, size, "TSPMLP", ("all", "mlp"), under, ffn_hidden_size=ffn_hidden_size)

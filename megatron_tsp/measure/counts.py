@@ -36,7 +36,7 @@ def group_names() -> Dict[int, str]:
         "mp": lambda: mpu.get_model_parallel_group(),
         "dist_opt": lambda: mpu.get_intra_distributed_optimizer_instance_group(check_initialized=False),
         "embd": lambda: mpu.get_embedding_group(check_initialized=False),
-        "tsp_weight": lambda: tsp_state.get_tsp_weight_group(),
+        "tsp_weight": lambda: tsp_state.get_weight_group(),
     }
     names: Dict[int, str] = {id(dist.group.WORLD): "world"}
     for name, get in getters.items():

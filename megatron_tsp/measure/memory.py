@@ -44,15 +44,16 @@ from megatron_tsp.run.modes import Mode, check_layouts, get_mode
 
 
 def activation_terms(args, mode: str, fused_norm: bool = True) -> Dict[str, Dict[str, float]]:
-    """Bytes one layer keeps for backward on one rank, term by term, for ``tsp`` and ``tp-sp``
-    without recompute: ``{"formula": ..., "implementation": ...}``.
+    """Bytes one layer keeps for backward on one rank, term by term, for ``tsp``, ``tp-sp`` and
+    ``tp-sp-ring`` without recompute: ``{"formula": ..., "implementation": ...}``.
 
     ``formula`` is Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
     Transformer Models", eq. 2 with sequence parallelism, ``sbh(34 + 5as/h)/t``) written
     tensor by tensor, for a flash-style attention kernel (no score matrix: the ``5as/h`` term
     becomes the kernel's output and log-sum-exp) and no dropout (no masks: 34 becomes 32),
-    with grouped-query K/V and SwiGLU's doubled fc1 output. TSP keeps the same tensors but
-    the MLP activation's output, which its backward recomputes from the fc1 output (mlp.py).
+    with grouped-query K/V and SwiGLU's doubled fc1 output. The ring MLP (TSP's, and
+    tp-sp-ring's) keeps the same tensors but the MLP activation's output, which its backward
+    recomputes from the fc1 output (mlp.py).
 
     ``implementation`` holds what the measured modules keep beyond the formula (each checked
     in ``tests/test_memory.py``): a fused norm (``fused_norm``: TransformerEngine's, apex's
@@ -78,17 +79,18 @@ def activation_terms(args, mode: str, fused_norm: bool = True) -> Dict[str, Dict
         "MLP input": e * tokens * h,
         "fc1 output": e * tokens * f * (2 if args.swiglu else 1),
     }
-    if mode != "tsp":
+    ring_mlp, tsp_attention = mode in ("tsp", "tp-sp-ring"), mode == "tsp"
+    if not ring_mlp:
         formula["activation output (fc2 input)"] = e * tokens * f
     implementation = {}
     if args.normalization == "RMSNorm" and fused_norm:
         implementation["RMSNorm: fp32 rstd per token (2 norms)"] = 2 * 4 * tokens
     elif args.normalization == "RMSNorm":
         implementation["torch RMSNorm: fp32 input and product, not bf16 input"] = 2 * (8 - e) * tokens * h
-    if args.swiglu and mode != "tsp":
+    if args.swiglu and not ring_mlp:
         implementation["unfused SwiGLU: silu(x1) and x2 + offset, kept by the product"] = 2 * e * tokens * f
     if args.position_embedding_type == "rope":
-        if mode == "tsp":
+        if tsp_attention:
             implementation["RoPE frequencies (fp32, own tokens)"] = 4 * tokens * d
         else:
             implementation["RoPE: rotated Q and K copies"] = e * tokens * d * (a + g)
@@ -292,7 +294,7 @@ def plan_modes(config_path: str, modes: List[str], world_size: Optional[int] = N
     if per_layer:
         for name, r in results.items():
             args = get_mode(name).args(values, cp)
-            if args.recompute_granularity is None and name in ("tsp", "tp-sp"):
+            if args.recompute_granularity is None and name in ("tsp", "tp-sp", "tp-sp-ring"):
                 r["activation_terms"] = activation_terms(args, name, fused_norm)
     seq = get_mode(modes[0]).args(values, cp).seq_length
     return {"setup": run_record(config=config_path, world_size=world_size, fused_norm=fused_norm),

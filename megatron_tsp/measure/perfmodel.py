@@ -172,7 +172,8 @@ def predict(config_path: str, hw: Hardware, nodes: int = 1, modes: List[str] = (
             cp: int = DEFAULT_CP, seq_lengths: Optional[List[int]] = None, overrides: Optional[Dict] = None,
             fused_norm: bool = True) -> Dict:
     """Step time, tokens/s and MFU per mode at the config's sequence length on ``nodes``
-    nodes, and (if ``seq_lengths``) the sweep that locates the TSP / TP+SP crossover."""
+    nodes, and (if ``seq_lengths``) the sweep that locates, for every mode, the sequence length
+    from which it is at least as fast as TP+SP (:func:`crossover`)."""
     values = cfg.load_config(config_path)
     values.update(overrides or {})
     world = nodes * hw.gpus_per_node
@@ -183,19 +184,26 @@ def predict(config_path: str, hw: Hardware, nodes: int = 1, modes: List[str] = (
     for mode in modes:
         results["modes"][mode] = evaluate(values, mode, hw, world, cp, fused_norm=fused_norm)
     if seq_lengths:
-        sweep = {}
-        for seq in seq_lengths:
-            v = cfg.at_seq_length(values, seq)
-            sweep[seq] = {mode: evaluate(v, mode, hw, world, cp, brief=True, fused_norm=fused_norm)
-                          for mode in ("tsp", "tp-sp")}
+        others = [m for m in modes if m != "tp-sp"]
+        sweep = {seq: {mode: evaluate(cfg.at_seq_length(values, seq), mode, hw, world, cp, brief=True,
+                                      fused_norm=fused_norm) for mode in others + ["tp-sp"]}
+                 for seq in seq_lengths}
         results["sweep"] = sweep
-        results["crossover_seq_length"] = {
-            key: next((s for s in seq_lengths
-                       if sweep[s]["tsp"][key]["step_s"] <= sweep[s]["tp-sp"][key]["step_s"]), None)
-            for key in SCENARIOS
-        }
+        results["crossover_seq_length"] = {mode: {key: crossover(sweep, mode, key) for key in SCENARIOS}
+                                           for mode in others}
     results["seq_length"] = base_seq
     return results
+
+
+def crossover(sweep: Dict, mode: str, scenario: str) -> Optional[int]:
+    """The shortest swept length from which on ``mode``'s step is at most TP+SP's, at every
+    longer length too (None: slower at the longest)."""
+    found = None
+    for seq in sorted(sweep, reverse=True):
+        if sweep[seq][mode][scenario]["step_s"] > sweep[seq]["tp-sp"][scenario]["step_s"]:
+            break
+        found = seq
+    return found
 
 
 def evaluate(values: Dict, mode: str, hw: Hardware, world: int, cp: int, brief: bool = False,
@@ -261,7 +269,7 @@ def table(result: Dict) -> str:
             vs = f"{t['tokens_per_s_cluster'] / base['tokens_per_s_cluster']:.2f}x" if base else "-"
             lines.append(f"| {mode} | {key} | {t['step_s']:.3f} | {t['compute_s']:.3f} | "
                          f"{t['exposed_comm_s']:.3f} | {t['tokens_per_s_cluster']:.3g} | {t['mfu']:.1%} | {vs} |")
-    if "crossover_seq_length" in result:
-        lines.append("\nTSP at least as fast as TP+SP from S = " + ", ".join(
-            f"{v} ({k})" for k, v in result["crossover_seq_length"].items()) + f" (swept {list(result['sweep'])})")
+    for mode, by_scenario in result.get("crossover_seq_length", {}).items():
+        lines.append(f"\n{mode} at least as fast as TP+SP from S = " + ", ".join(
+            f"{v} ({k})" for k, v in by_scenario.items()) + f" (swept {list(result['sweep'])})")
     return "\n".join(lines)

@@ -88,6 +88,7 @@ def initialize(args, device: Device, seed: bool = True, **megatron_kwargs) -> No
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         context_parallel_size=args.context_parallel_size,
+        ring_mlp=args.ring_mlp,
         device=device.torch,
         **megatron_kwargs,
     )

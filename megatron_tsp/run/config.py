@@ -64,6 +64,7 @@ ARGUMENTS: Dict[str, Arg] = {
     "tsp_size": Arg(int, 1, "TSP size D (megatron_tsp)"),
     "tensor_model_parallel_size": Arg(int, 1, "tensor parallel size"),
     "sequence_parallel": _b("Megatron sequence parallelism (implied by tsp_size > 1)"),
+    "ring_mlp": _b("TSP's ring MLP in a tensor-parallel model: weight shards rotate, no activation collectives"),
     "context_parallel_size": Arg(int, 1, "context parallel size"),
     "pipeline_model_parallel_size": Arg(int, 1, "pipeline parallel size"),
     "use_distributed_optimizer": _b("shard optimizer state over data parallel"),
@@ -297,7 +298,10 @@ def check_combinations(ns: argparse.Namespace) -> None:
         (ns.ffn_hidden_size % tp == 0, "ffn_hidden_size", "must be divisible by tensor_model_parallel_size"),
         (layout.tsp > 1 or ns.seq_length % layout.sequence_divisor == 0, "seq_length",
          f"must be divisible by {layout.sequence_divisor} (2 x context_parallel_size for the zigzag layout, "
-         "and tensor_model_parallel_size)"),
+         "and tensor_model_parallel_size with sequence parallelism or the ring MLP)"),
+        (not ns.ring_mlp or (layout.tsp == 1 and tp > 1), "ring_mlp",
+         "applies to a tensor-parallel model (tensor_model_parallel_size > 1, tsp_size 1; TSP's MLP is a ring "
+         "already)"),
         (ns.position_embedding_type != "learned_absolute" or ns.max_position_embeddings >= ns.seq_length,
          "max_position_embeddings", "must be at least seq_length with learned_absolute positions"),
         (not (ns.bf16 and ns.fp16), "bf16", "cannot be combined with fp16"),

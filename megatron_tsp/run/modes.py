@@ -18,13 +18,13 @@ from megatron.core.utils import get_batch_on_this_cp_rank
 
 from megatron_tsp.core.baselines import get_gpt_block_baseline_spec
 from megatron_tsp.core.sizes import DEFAULT_CP, ParallelSizes
-from megatron_tsp.core.spec import get_gpt_block_tsp_spec
+from megatron_tsp.core.spec import get_gpt_block_tsp_spec, with_ring_mlp
 from megatron_tsp.core.zigzag import zigzag_batch
 from megatron_tsp.env import transformer_engine_version
 from megatron_tsp.errors import ConfigError
 from megatron_tsp.run import config
 
-PARALLEL_KEYS = ("tsp_size", "tensor_model_parallel_size", "context_parallel_size", "sequence_parallel")
+PARALLEL_KEYS = ("tsp_size", "tensor_model_parallel_size", "context_parallel_size", "sequence_parallel", "ring_mlp")
 
 
 @dataclass(frozen=True)
@@ -69,9 +69,11 @@ class Mode:
                                           attention_backend=attention_backend, overlap_comm=self.overlap_comm,
                                           fused_norm=fused_norm)
         if transformer_engine and transformer_engine_version() is not None:
-            return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_layernorm)
+            spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_layernorm)
+            return with_ring_mlp(spec, fused_norm, self.overlap_comm) if args.ring_mlp else spec
         return get_gpt_block_baseline_spec(transformer_config, qk_layernorm=args.qk_layernorm,
-                                           attention_backend=attention_backend, fused_norm=fused_norm)
+                                           attention_backend=attention_backend, fused_norm=fused_norm,
+                                           ring_mlp=args.ring_mlp, overlap_comm=self.overlap_comm)
 
     def batch_transform(self, args) -> Optional[Callable]:
         """Zigzag order for TSP; megatron's context-parallel slice for CP; nothing otherwise."""
@@ -108,6 +110,12 @@ MODES: Dict[str, Mode] = {m.name: m for m in (
          hides_with_tp_comm_overlap=("tp",)),
     # TP D/cp x CP cp (TP+SP when D/cp > 1)
     Mode("tp-cp", _tp_cp, hides=("cp",), hides_with_tp_comm_overlap=("tp",), behind_attention=("cp",)),
+    # TP D + SP with TSP's ring MLP (--ring-mlp): the MLP moves weights, the attention is TP+SP's
+    Mode("tp-sp-ring", lambda d, cp: dict(tensor_model_parallel_size=d, sequence_parallel=True, ring_mlp=True),
+         hides=("tsp_weight",), hides_with_tp_comm_overlap=("tp",)),
+    # TP D with the ring MLP: each rank's 1/D of the tokens through the ring, one all-gather out
+    Mode("tp-ring", lambda d, cp: dict(tensor_model_parallel_size=d, ring_mlp=True), hides=("tsp_weight",),
+         hides_with_tp_comm_overlap=("tp",)),
 )}
 
 
@@ -126,9 +134,11 @@ def check_layouts(values: Dict, names, world_size: Optional[int], cp: int, sourc
 
 
 def of(args) -> Mode:
-    """The mode a resolved config runs in (``megatron-tsp train``)."""
+    """The mode a resolved config runs in (``megatron-tsp train``; a ring MLP beside context
+    parallelism is tp-cp's layers with the ring)."""
     if args.tsp_size > 1:
         return MODES["tsp"]
     if args.context_parallel_size > 1:
         return MODES["tp-cp"]
-    return MODES["tp-sp" if args.sequence_parallel else "tp"]
+    ring = "-ring" if args.ring_mlp else ""
+    return MODES[("tp-sp" if args.sequence_parallel else "tp") + ring]
