@@ -225,9 +225,11 @@ def _memory_parser(sub, common) -> None:
 
 
 def _cmd_memory(ns: argparse.Namespace) -> int:
-    from megatron_tsp.measure import memory
+    from megatron_tsp.measure import figures, memory
     from megatron_tsp.run import config
 
+    if ns.plot:
+        figures.pyplot("--plot")
     result = memory.plan_modes(ns.config, ns.modes, world_size=ns.world_size, cp=ns.cp,
                                overrides=config.overrides(ns), per_layer=ns.per_layer, fused_norm=ns.fused_norm)
     print(memory.table(result))
@@ -285,9 +287,11 @@ def _plan_parser(sub, common) -> None:
 
 
 def _cmd_plan(ns: argparse.Namespace) -> int:
-    from megatron_tsp.measure import perfmodel, plan
+    from megatron_tsp.measure import figures, perfmodel, plan
     from megatron_tsp.run import config
 
+    if ns.out and ns.grid:
+        figures.pyplot("--grid")
     hw = perfmodel.load_hardware(ns.hardware)
     result = plan.plan(ns.config, hw, ns.nodes, ns.modes, ns.cp, ns.scenario, ns.grid, config.overrides(ns),
                        fused_norm=ns.fused_norm)
@@ -322,9 +326,10 @@ def _bench_parser(sub, common) -> None:
 
 
 def _cmd_bench(ns: argparse.Namespace) -> int:
-    from megatron_tsp.measure import bench
+    from megatron_tsp.measure import bench, figures
     from megatron_tsp.run import config, launch
 
+    figures.pyplot("bench")
     path = ns.config or os.path.join(CONFIGS, "bench-cpu.yaml")
     world = int(os.environ["WORLD_SIZE"]) if launch.under_torchrun() else ns.nproc
     bench.check_setup(config.load_config(path), ns.seq, ns.modes, world)  # before any rank starts

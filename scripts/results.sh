@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Regenerates the committed results of bench/results/ that a CPU can produce (memory plans,
 # predictions, plans; the CPU benchmarks have their own commands in docs/results.md).
-#   scripts/results.sh [memory|predict|plan|all]     (about 25 minutes for all on 2 cores)
+#   scripts/results.sh [memory|predict|plan|all]     (about 45 minutes for all on 2 cores)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=bench/results
@@ -23,8 +23,11 @@ if [[ $what == predict || $what == all ]]; then
       run megatron-tsp predict configs/7b/128k-tsp8.yaml --hardware "configs/hardware/$gpu.yaml" --nodes "$nodes" \
         --json "$out/predict-7b-128k-$gpu-${nodes}node.json"
     done
-    run megatron-tsp predict configs/7b/128k-tsp8.yaml --hardware "configs/hardware/$gpu.yaml" --nodes 128 \
-      --modes tsp,tp-sp --sweep 4096,8192,16384,32768,65536,131072,262144 --json "$out/predict-7b-sweep-$gpu-128node.json"
+    for nodes in 1 128; do
+      run megatron-tsp predict configs/7b/128k-tsp8.yaml --hardware "configs/hardware/$gpu.yaml" --nodes "$nodes" \
+        --modes tsp,tp-sp,tp-sp-ring --sweep 4096,8192,16384,32768,65536,131072,262144 \
+        --json "$out/predict-7b-sweep-$gpu-${nodes}node.json"
+    done
   done
   run megatron-tsp predict configs/7b/128k-tsp8-norecompute.yaml --hardware configs/hardware/mi300x.yaml --nodes 128 \
     --modes tsp,tp-sp --sweep 4096,8192,16384,32768,65536,131072,262144 \

@@ -9,6 +9,7 @@ here starts a rank, so each case takes milliseconds.
 import json
 import os
 import shutil
+import sys
 
 import pytest
 from conftest import ROOT
@@ -255,6 +256,15 @@ def test_bench_checks_before_starting_ranks(capsys, flags, message):
 def test_plan_checks_before_planning(capsys, flags, message):
     assert message in one_line(capsys, ["plan", MODEL_7B, "--hardware", H100, *flags], code=2)
 
+
+@pytest.mark.parametrize("argv,flag", [
+    (["memory", MODEL_7B, "--plot", "m.png"], "--plot"),
+    (["plan", MODEL_7B, "--hardware", H100, "--grid", "8192", "--out", "p"], "--grid"),
+    (["bench"], "bench"),
+])
+def test_pictures_without_matplotlib_stop_before_the_work(capsys, monkeypatch, argv, flag):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises
+    assert f"{flag} draws a PNG with matplotlib" in one_line(capsys, argv, code=1)
 
 def test_memory_with_a_non_yaml_config(capsys, tmp_path):
     path = _write(tmp_path, "c.yaml", "a: [\n")

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from megatron_tsp.env import run_record
 from megatron_tsp.errors import UserError
-from megatron_tsp.measure import counts, memory
+from megatron_tsp.measure import counts, figures, memory
 from megatron_tsp.run import config as cfg
 from megatron_tsp.run.build import initialize, stepper
 from megatron_tsp.run.config import at_seq_length
@@ -169,10 +169,7 @@ def table(result: Dict) -> str:
 
 
 def plot(result: Dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = figures.pyplot("bench")
 
     seqs = [int(s) for s in result["results"]]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))

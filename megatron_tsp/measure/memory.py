@@ -34,7 +34,7 @@ from megatron_tsp.core.parallel_state import destroy_model_parallel
 from megatron_tsp.core.sizes import DEFAULT_CP, ParallelSizes
 from megatron_tsp.device import CPU, Device
 from megatron_tsp.env import run_record
-from megatron_tsp.measure import counts
+from megatron_tsp.measure import counts, figures
 from megatron_tsp.measure.tracker import CATEGORIES, GIB, SavedTensors, StorageTracker
 from megatron_tsp.run import config as cfg
 from megatron_tsp.run import step
@@ -334,10 +334,7 @@ def per_layer_table(result: Dict) -> str:
 
 
 def plot(result: Dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = figures.pyplot("--plot")
 
     modes = list(result["modes"])
     fig, ax = plt.subplots(figsize=(1.6 * len(modes) + 3, 4.5))

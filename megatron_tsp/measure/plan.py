@@ -23,7 +23,7 @@ from typing import Dict, List, Optional
 
 from megatron_tsp.core.sizes import DEFAULT_CP
 from megatron_tsp.env import run_record
-from megatron_tsp.measure import perfmodel
+from megatron_tsp.measure import figures, perfmodel
 from megatron_tsp.run import config as cfg
 from megatron_tsp.run.modes import check_layouts, get_mode
 
@@ -164,10 +164,7 @@ def table(result: Dict) -> str:
 def plot(result: Dict, path: str) -> None:
     """Left: peak memory (least-memory choice) against S per mode, with the usable limit;
     right: tokens/s of the fastest fitting choice against S."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = figures.pyplot("--grid")
 
     fig, (mem, speed) = plt.subplots(1, 2, figsize=(11, 4.2))
     for mode, r in result["modes"].items():
