@@ -10,10 +10,12 @@ checkpoints, a failure while running), 130 for Ctrl-C. A failed rank's traceback
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
 import shlex
+import signal
 import sys
 import traceback
 import warnings
@@ -104,6 +106,15 @@ def _write(path: str, text: str, flag: str) -> None:
         raise UserError(f"{flag} {path}: cannot be written ({exc.strerror or exc})") from None
 
 
+def _check_outputs(**paths: Optional[str]) -> None:
+    """Every result file a command was asked for can be written: checked before the work."""
+    from megatron_tsp.run import preflight
+
+    for flag, path in paths.items():
+        if path:
+            preflight.check_writable_file(path, "--" + flag.replace("_", "-"))
+
+
 def _write_json(path: str, obj) -> None:
     _write(path, json.dumps(obj, indent=2, default=str), "--json")
 
@@ -170,16 +181,20 @@ def _train_rank(args, log_path, collective_timeout_min):
 
 
 def _cmd_train(ns: argparse.Namespace) -> int:
-    from megatron_tsp.run import config, data, launch, preflight
+    from megatron_tsp.run import checkpointing, config, data, launch, preflight
 
     path, _, args = _resolve(ns)
     log_path = ns.log_json or os.path.join("runs", os.path.splitext(os.path.basename(path))[0], "log.jsonl")
+    preflight.check_writable_file(log_path, "--log-json")
     nproc = ns.nproc or config.sizes(args).model_parallel
-    with launch.job(nproc, ns.collective_timeout_min, ns.timeout_s) as job:
-        if job.rank == 0 and not args.mock_data:
-            data.ensure_corpus(args.data_path)
-        job.barrier()
+    with contextlib.ExitStack() as stack:
+        job = stack.enter_context(launch.job(nproc, ns.collective_timeout_min, ns.timeout_s,
+                                             forward_sigterm=args.exit_signal_handler))
+        if not args.mock_data:
+            job.on_rank0(data.ensure_corpus, args.data_path)
         resume = preflight.check_run(args, job.world_size)
+        if args.save:
+            job.on_rank0(lambda: stack.enter_context(checkpointing.SaveLock(args.save)))
         if resume is not None and resume >= args.train_iters:
             if job.rank == 0:
                 print(f"megatron-tsp train: the checkpoint in {args.load} is at iteration {resume} and --train-iters "
@@ -189,7 +204,7 @@ def _cmd_train(ns: argparse.Namespace) -> int:
         if job.rank == 0:
             print(f"megatron-tsp train: {path}, {job.world_size} rank(s)", flush=True)
         try:
-            job.run(_train_rank, args, log_path, ns.collective_timeout_min)
+            record = job.run(_train_rank, args, log_path, ns.collective_timeout_min)[0]
         except launch.RankError as exc:
             if not exc.user_error:
                 error_log = os.path.abspath(os.path.join(os.path.dirname(log_path), "error.log"))
@@ -199,6 +214,11 @@ def _cmd_train(ns: argparse.Namespace) -> int:
                             f"{exc.traceback}\n")
                 exc.summary += f" (traceback: {error_log})"
             raise
+    if record.get("stopped") and job.rank == 0:
+        where = (f"checkpoint saved in {args.save}; resume with --load {args.save}" if args.save
+                 else "nothing saved (no --save)")
+        print(f"megatron-tsp train: stopped after iteration {record['iteration']} of {args.train_iters} "
+              f"({record['stopped']}); {where}", flush=True)
     return 0
 
 
@@ -228,6 +248,7 @@ def _cmd_memory(ns: argparse.Namespace) -> int:
     from megatron_tsp.measure import figures, memory
     from megatron_tsp.run import config
 
+    _check_outputs(json=ns.json, plot=ns.plot)
     if ns.plot:
         figures.pyplot("--plot")
     result = memory.plan_modes(ns.config, ns.modes, world_size=ns.world_size, cp=ns.cp,
@@ -260,6 +281,7 @@ def _cmd_predict(ns: argparse.Namespace) -> int:
     from megatron_tsp.measure import perfmodel
     from megatron_tsp.run import config
 
+    _check_outputs(json=ns.json)
     hw = perfmodel.load_hardware(ns.hardware)
     result = perfmodel.predict(ns.config, hw, ns.nodes, ns.modes, ns.cp, ns.sweep, config.overrides(ns),
                                fused_norm=ns.fused_norm)
@@ -290,6 +312,8 @@ def _cmd_plan(ns: argparse.Namespace) -> int:
     from megatron_tsp.measure import figures, perfmodel, plan
     from megatron_tsp.run import config
 
+    if ns.out:
+        _check_outputs(out=ns.out + ".json")
     if ns.out and ns.grid:
         figures.pyplot("--grid")
     hw = perfmodel.load_hardware(ns.hardware)
@@ -327,12 +351,13 @@ def _bench_parser(sub, common) -> None:
 
 def _cmd_bench(ns: argparse.Namespace) -> int:
     from megatron_tsp.measure import bench, figures
-    from megatron_tsp.run import config, launch
+    from megatron_tsp.run import config, launch, preflight
 
-    figures.pyplot("bench")
     path = ns.config or os.path.join(CONFIGS, "bench-cpu.yaml")
     world = int(os.environ["WORLD_SIZE"]) if launch.under_torchrun() else ns.nproc
     bench.check_setup(config.load_config(path), ns.seq, ns.modes, world)  # before any rank starts
+    figures.pyplot("bench")
+    preflight.check_writable_dir(ns.out, "--out")
     with launch.job(ns.nproc, timeout_s=ns.timeout_s) as job:
         result = bench.run(path, ns.seq, ns.modes, ns.repeats, ns.steps, ns.warmup, job.run, job.world_size)
         if job.rank != 0:
@@ -387,6 +412,7 @@ def _compare_parser(sub, common) -> None:
 def _cmd_compare(ns: argparse.Namespace) -> int:
     from megatron_tsp.measure import compare
 
+    _check_outputs(markdown=ns.markdown, json=ns.json)
     runs = {os.path.relpath(p): compare.summarize(compare.read_run(p), ns.warmup) for p in ns.runs}
     text = compare.table(runs)
     if ns.markdown:
@@ -419,6 +445,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _stdout_closed() -> bool:
+    """Whether standard output's reader has gone (then stop writing to it for good)."""
+    import select
+
+    poll = select.poll()
+    poll.register(sys.stdout.fileno(), select.POLLOUT)
+    if not any(events & (select.POLLERR | select.POLLHUP) for _, events in poll.poll(0)):
+        return False
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+    return True
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     # megatron-core warns at import that TransformerEngine/apex are missing; `megatron-tsp
     # env` reports them, and on a CPU they are not expected.
@@ -428,14 +466,20 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
-    from megatron_tsp.run.launch import PoolTimeout, RankError, under_torchrun
+    from megatron_tsp.run.launch import PoolTimeout, RankError, Terminated, raise_terminated, under_torchrun
 
     where = f"rank {os.environ['RANK']}: " if under_torchrun() else ""
+    signal.signal(signal.SIGTERM, raise_terminated)  # train's --exit-signal-handler replaces it
     try:
         return args.func(args)
     except KeyboardInterrupt:
         print(f"megatron-tsp {args.command}: {where}interrupted", file=sys.stderr)
         return 130
+    except Terminated as exc:
+        lost = ("; nothing saved since the last checkpoint; --exit-signal-handler saves one first"
+                if args.command == "train" else "")
+        print(f"megatron-tsp {args.command}: {where}terminated by {exc} (every rank stopped{lost})", file=sys.stderr)
+        return 128 + exc.signum
     except (UserError, RankError, PoolTimeout) as exc:
         if args.debug:
             traceback.print_exc()
@@ -445,6 +489,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"megatron-tsp {args.command}: error: {where}{line}", file=sys.stderr)
         return 2 if isinstance(exc, ConfigError) else 1
     except Exception as exc:  # noqa: BLE001 - a bug: one line, the traceback behind --debug
+        if isinstance(exc, BrokenPipeError) and _stdout_closed():
+            return 128 + signal.SIGPIPE  # `megatron-tsp args ... | head`: the reader has what it wanted
         if args.debug:
             raise
         first = (str(exc).strip().splitlines() or [""])[0]

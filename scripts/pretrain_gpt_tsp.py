@@ -11,7 +11,12 @@ directory) and megatron_tsp installed. Takes every pretrain_gpt.py flag plus ``-
 import os
 import sys
 
-sys.path.insert(0, os.environ.get("MEGATRON_LM_PATH", os.getcwd()))
+CHECKOUT = os.environ.get("MEGATRON_LM_PATH", os.getcwd())
+if not os.path.isfile(os.path.join(CHECKOUT, "pretrain_gpt.py")):
+    where = f"MEGATRON_LM_PATH={CHECKOUT}" if "MEGATRON_LM_PATH" in os.environ else f"the current directory {CHECKOUT}"
+    sys.exit(f"pretrain_gpt_tsp.py: error: {where} is not a Megatron-LM checkout (no pretrain_gpt.py); set "
+             "MEGATRON_LM_PATH to a checkout at tag core_v0.16.1")
+sys.path.insert(0, CHECKOUT)
 
 from megatron_tsp import megatron_lm  # noqa: E402
 

@@ -12,7 +12,7 @@ if [[ $what == memory || $what == all ]]; then
   for s in 16k 128k; do
     run megatron-tsp memory "configs/7b/$s-tsp8.yaml" --json "$out/memory-7b-$s.json" --plot "$out/memory-7b-$s.png"
   done
-  cmd=(megatron-tsp memory configs/7b/128k-tsp8-norecompute.yaml --modes tsp,tp-sp --per-layer
+  cmd=(megatron-tsp memory configs/7b/128k-tsp8-norecompute.yaml --modes tsp,tp-sp,tp-sp-ring --per-layer
        --json "$out/memory-7b-128k-per-layer.json")
   { echo "\`${cmd[*]}\` (CPU planner, FakeTensorMode)"; echo; "${cmd[@]}"; } > "$out/memory-7b-128k-per-layer.md"
 fi

@@ -8,7 +8,9 @@ module-level function of an importable module (workers unpickle it by name).
 """
 
 import os
+import time
 
+import psutil
 import pytest
 
 from megatron_tsp.run.launch import WorkerPool
@@ -32,3 +34,57 @@ def ranks():
     for pool in _POOLS.values():
         pool.close(kill=True)  # nothing to finish: no graceful shutdown to wait for
     _POOLS.clear()
+
+
+def processes(session=None, group=None):
+    """Live processes (zombies aside) of a session or a process group, this one excluded."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.pid == os.getpid() or proc.status() == psutil.STATUS_ZOMBIE:
+                continue
+            if (session is None or os.getsid(proc.pid) == session) and (group is None or os.getpgid(proc.pid) == group):
+                found.append(proc)
+        except (psutil.NoSuchProcess, ProcessLookupError, PermissionError):
+            pass
+    return found
+
+
+def left_behind(timeout_s=15.0, **where):
+    """What is still alive of a session or process group after ``timeout_s`` (a process that
+    exits on its own, like a resource tracker, has that long to go)."""
+    deadline = time.monotonic() + timeout_s
+    while (alive := processes(**where)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return [f"{p.pid} {' '.join(p.cmdline())[:120]}" for p in alive if p.is_running()]
+
+
+def _strays():
+    """Processes the suite started and did not end: anything below this process but the
+    multiprocessing fork server and resource tracker, which leave with it."""
+    me = psutil.Process()
+    strays = []
+    for child in me.children(recursive=True):
+        try:
+            helper = child.ppid() == me.pid and "multiprocessing" in " ".join(child.cmdline())
+            if not helper and child.status() != psutil.STATUS_ZOMBIE:
+                strays.append(child)
+        except psutil.NoSuchProcess:
+            pass
+    return strays
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """No test may leave a process running (a worker left on a GPU node holds its memory)."""
+    for pool in _POOLS.values():
+        pool.close(kill=True)
+    _POOLS.clear()
+    deadline = time.monotonic() + 15
+    while (strays := _strays()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if strays:
+        listed = "; ".join(f"{p.pid} {' '.join(p.cmdline())[:100]}" for p in strays)
+        session.config.get_terminal_writer().line(f"processes left running by the tests: {listed}", red=True)
+        for p in strays:
+            p.kill()
+        session.exitstatus = 1

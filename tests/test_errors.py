@@ -9,13 +9,18 @@ here starts a rank, so each case takes milliseconds.
 import json
 import os
 import shutil
+import socket
+import subprocess
 import sys
+import time
 
+import psutil
 import pytest
 from conftest import ROOT
 
 from megatron_tsp import cli
-from megatron_tsp.run import config, data, preflight
+from megatron_tsp.errors import CheckpointError
+from megatron_tsp.run import checkpointing, config, data, preflight
 
 TINY = os.path.join(ROOT, "configs", "tiny-cpu.yaml")
 MODEL_7B = os.path.join(ROOT, "configs", "7b", "128k-tsp8.yaml")
@@ -153,14 +158,25 @@ def _broken_corpus(corpus, tmp_path, how):
         shutil.copy(corpus + ".bin", prefix + ".bin")
         with open(prefix + ".idx", "wb") as f:
             f.write(b"not an index" * 10)
+    elif how == "short-index":  # a good header, then nothing
+        shutil.copy(corpus + ".bin", prefix + ".bin")
+        with open(corpus + ".idx", "rb") as f:
+            head = f.read(40)
+        with open(prefix + ".idx", "wb") as f:
+            f.write(head)
+    elif how == "another-bin":  # this index with a longer corpus's tokens
+        data.make_tiny_corpus(str(tmp_path / "other"), num_docs=4000)
+        shutil.copy(str(tmp_path / "other.bin"), prefix + ".bin")
     return prefix  # "no-bin": the .idx alone
 
 
 @pytest.mark.parametrize("how,message", [
     ("no-bin", "broken.bin not found"),
     ("empty", "empty, the dataset holds no tokens"),
-    ("truncated", "(truncated); rebuild the dataset"),
-    ("garbage-index", "not a readable megatron index"),
+    ("truncated", "(truncated); use the .bin and .idx written together, or rebuild the dataset"),
+    ("garbage-index", "broken.idx: not a megatron index (its header is b'not an in'"),
+    ("short-index", "broken.idx: not a readable megatron index"),
+    ("another-bin", "(longer than its index: another corpus's .bin?)"),
 ])
 def test_train_checks_the_data_files(capsys, corpus, tmp_path, how, message):
     prefix = _broken_corpus(corpus, tmp_path, how)
@@ -187,6 +203,72 @@ def test_load_with_a_damaged_tracker(capsys, corpus, tmp_path, tracker):
     _write(tmp_path, "latest_checkpointed_iteration.txt", tracker)
     assert "expected the iteration of the latest checkpoint" in one_line(
         capsys, _train(corpus, "--load", str(tmp_path)), code=1)
+
+
+def test_load_of_checkpoints_without_a_tracker_is_refused(capsys, corpus, tmp_path):
+    os.makedirs(tmp_path / "iter_0000010")
+    line = one_line(capsys, _train(corpus, "--load", str(tmp_path)), code=1)
+    assert "holds iter_0000010 but no latest_checkpointed_iteration.txt" in line, line
+
+
+def test_load_of_one_iteration_names_the_directory_above(capsys, corpus, tmp_path):
+    os.makedirs(tmp_path / "iter_0000010")
+    _write(tmp_path / "iter_0000010", ".metadata", "")
+    line = one_line(capsys, _train(corpus, "--load", str(tmp_path / "iter_0000010")), code=1)
+    assert f"is one iteration of a checkpoint; give the directory above it (--load {tmp_path})" in line, line
+
+
+def _lock(root, pid, started):
+    _write(root, checkpointing.SaveLock.NAME, json.dumps({"pid": pid, "host": socket.gethostname(),
+                                                           "started": started}))
+
+
+def test_save_in_use_by_a_running_process_is_refused(capsys, corpus, tmp_path):
+    holder = psutil.Process(os.getppid())  # alive for the whole test
+    _lock(tmp_path, holder.pid, holder.create_time())
+    line = one_line(capsys, _train(corpus, "--save", str(tmp_path)), code=1)
+    assert f"--save {tmp_path} is in use by PID {holder.pid} on {socket.gethostname()}" in line, line
+
+
+def test_a_stale_save_lock_is_taken_over_and_released(capsys, tmp_path):
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    _lock(tmp_path, gone.pid, time.time())
+    with checkpointing.SaveLock(str(tmp_path)) as lock:
+        with open(lock.path) as f:
+            assert json.load(f)["pid"] == os.getpid()
+        with pytest.raises(CheckpointError, match="is in use by PID"):
+            checkpointing.SaveLock(str(tmp_path)).__enter__()
+    assert "taking over" in capsys.readouterr().out
+    assert not os.path.exists(lock.path)
+
+
+def test_output_files_are_checked_before_the_work(capsys, corpus, tmp_path):
+    read_only = tmp_path / "read-only"
+    read_only.mkdir()
+    read_only.chmod(0o500)
+    try:
+        if os.access(read_only, os.W_OK):
+            pytest.skip("running as a user who can write anywhere")
+        assert "--log-json " in one_line(capsys, _train(corpus, "--log-json", str(read_only / "log.jsonl")), code=2)
+        assert "--out " in one_line(capsys, ["bench", "--out", str(read_only / "results")], code=2)
+    finally:
+        read_only.chmod(0o700)
+    assert "is a directory" in one_line(capsys, ["memory", MODEL_7B, "--plot", str(tmp_path) + "/"], code=2)
+
+
+def test_fp16_on_a_cpu_is_refused_at_once(capsys, corpus):
+    assert "'fp16' (--fp16) needs a GPU" in one_line(capsys, _train(corpus, "--fp16"), code=2)
+
+
+@pytest.mark.parametrize("content,message", [
+    ("seed: 1\nlr: 0.1\nseed: 2\n", ":3: not valid YAML (key 'seed' given twice (lines 1 and 3); keep one)"),
+    ("a: " + "[" * 5000 + "]" * 5000 + "\n", "nested too deeply"),
+    ("recompute_modules: [{a: 1}]\n", "key 'recompute_modules' must be list"),
+    ("seed: 100000000000000000000000\n", "'seed' (--seed) must be below 2147483648"),
+])
+def test_config_mistakes_found_by_a_new_user(capsys, tmp_path, content, message):
+    assert message in one_line(capsys, ["args", _write(tmp_path, "c.yaml", content)], code=2)
 
 
 def test_load_of_an_empty_directory_starts_from_scratch(corpus, tmp_path):

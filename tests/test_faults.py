@@ -4,8 +4,10 @@ A NaN in one rank's gradient stops training at that iteration before anything is
 rank that stops answering (SIGSTOP) fails the job within the collective timeout, naming the
 rank; a run killed while it saves resumes from the checkpoint before, with the losses of an
 uninterrupted run; damaged checkpoints and checkpoints of another model (also ones that
-saved no model arguments) are refused at load with the same line on every rank; Ctrl-C
-ends the job with exit code 130 and leaves no process.
+saved no model arguments, or lost their manifest) are refused at load with the same line on
+every rank; Ctrl-C ends the job with exit code 130, SIGTERM with 143, or, with
+``--exit-signal-handler``, with a checkpoint and exit code 0 that resumes exactly; none of
+them leaves a process in the job's session.
 """
 
 import json
@@ -18,7 +20,8 @@ import time
 import psutil
 import pytest
 import torch.distributed as dist
-from conftest import ROOT
+import yaml
+from conftest import ROOT, left_behind
 
 from megatron_tsp.device import CPU
 from megatron_tsp.errors import CheckpointError, TrainingStopped
@@ -92,17 +95,21 @@ def test_a_stopped_rank_fails_the_job_within_the_collective_timeout():
     elapsed = time.monotonic() - start
     summary = failure.value.summary
     assert elapsed < 60, elapsed  # 6 s collective timeout + 5 s for the others to report + start-up; not 120
-    assert summary.startswith("rank 0: ") and "rank(s) [1] stopped answering" in summary, summary
-    assert "is stopped, SIGSTOP" in summary and len(summary.splitlines()) == 1
+    assert summary.startswith("rank(s) [1] stopped by the operating system (SIGSTOP, a debugger?); rank 0 gave up"), \
+        summary
+    assert failure.value.rank == 1 and len(summary.splitlines()) == 1
     assert not pool.alive
 
 
 def _train_killed_while_saving(save):
     from megatron_tsp.run.loop import train
 
+    write = checkpointing._write_checksums
+
     def write_checksums(path):  # the shards of iteration 4 are written; its manifest and tracker are not
         if path.endswith("iter_0000004"):
             os.kill(os.getpid(), signal.SIGKILL)
+        write(path)
 
     checkpointing._write_checksums = write_checksums  # the pool is thrown away after this
     train(config.resolve(dict(TINY, save=save, save_interval=2)), CPU)
@@ -153,6 +160,13 @@ def _damaged_checkpoint(path, damage):
             os.truncate(shard, os.path.getsize(shard) // 3)
         elif damage == "no-metadata":
             os.remove(os.path.join(path, ".metadata"))
+        elif damage == "no-manifest":
+            os.remove(os.path.join(path, checkpointing.CHECKSUMS))
+            with open(shard, "r+b") as f:  # what the manifest would have caught
+                f.write(os.urandom(64))
+        elif damage == "malformed-manifest":
+            with open(os.path.join(path, checkpointing.CHECKSUMS), "w") as f:
+                f.write('{"__0_0.distcp": [1, 2]}')
         elif damage == "garbage-common":  # without the manifest that would catch it first
             os.remove(os.path.join(path, checkpointing.CHECKSUMS))
             with open(os.path.join(path, "common.pt"), "wb") as f:
@@ -204,6 +218,8 @@ def test_a_kill_while_writing_the_tracker_leaves_the_previous_one(tmp_path, monk
     ("overwritten", "__1_0.distcp: contents differ from the saved checksum (damaged)"),
     ("truncated", "__1_0.distcp: "),
     ("no-metadata", ".metadata is missing"),
+    ("no-manifest", "checksums.json is missing from a megatron-tsp checkpoint, so its files cannot be verified"),
+    ("malformed-manifest", "checksums.json: not a checksum manifest"),
     ("garbage-common", "common.pt: cannot be read"),
     ("other-model", "; hidden_size 32 there, 64 in this run;"),
     ("other-vocabulary-no-model-args",
@@ -240,3 +256,64 @@ def test_ctrl_c_exits_130_with_one_line_and_leaves_no_process(tmp_path):
     assert err.strip().splitlines() == ["megatron-tsp train: interrupted"], err
     _, alive = psutil.wait_procs(workers, timeout=10)
     assert not alive
+    assert left_behind(session=proc.pid) == []
+
+
+# --- SIGTERM: preemption, scancel, a time limit ---------------------------------------------
+
+LONG = dict(TINY, train_iters=100, log_interval=1)
+
+
+def _start_training(tmp_path, *flags):
+    """``megatron-tsp train`` on LONG in a session of its own, once its ranks train."""
+    path = tmp_path / "long.yaml"
+    path.write_text(yaml.safe_dump(LONG))
+    cmd = [sys.executable, "-m", "megatron_tsp.cli", "train", str(path), "--log-json", str(tmp_path / "log.jsonl"),
+           *flags]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    out = []
+    for line in proc.stdout:
+        out.append(line)
+        if "iteration        3/" in line:
+            return proc, out
+    raise AssertionError("".join(out) + proc.stderr.read())
+
+
+def _finish(proc, out):
+    try:
+        rest, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return "".join(out) + rest, err
+
+
+def test_sigterm_with_the_exit_signal_handler_saves_and_resumes_exactly(ranks, tmp_path):
+    save = str(tmp_path / "ckpt")
+    proc, out = _start_training(tmp_path, "--exit-signal-handler", "--save", save)
+    os.kill(proc.pid, signal.SIGTERM)  # the launcher: it passes the signal on to the ranks
+    out, err = _finish(proc, out)
+    assert proc.returncode == 0, err
+    stopped = checkpointing.latest(save)[1]
+    assert 3 <= stopped < LONG["train_iters"]
+    assert (f"megatron-tsp train: stopped after iteration {stopped} of 100 (SIGTERM received, --exit-signal-handler); "
+            f"checkpoint saved in {save}; resume with --load {save}") in out, out
+    assert left_behind(session=proc.pid) == []
+    assert not os.path.exists(os.path.join(save, checkpointing.SaveLock.NAME))
+    ranks(2, _train_logged, dict(LONG, load=save), str(tmp_path / "resumed.jsonl"))
+    ranks(2, _train_logged, LONG, str(tmp_path / "uninterrupted.jsonl"))
+    resumed, full = _losses(tmp_path / "resumed.jsonl"), _losses(tmp_path / "uninterrupted.jsonl")
+    assert sorted(resumed) == list(range(stopped + 1, 101))
+    assert all(resumed[i] == full[i] for i in resumed)
+
+
+def test_sigterm_without_the_handler_ends_every_process_with_one_line(tmp_path):
+    proc, out = _start_training(tmp_path)
+    os.kill(proc.pid, signal.SIGTERM)
+    _, err = _finish(proc, out)
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert err.strip().splitlines() == [
+        "megatron-tsp train: terminated by SIGTERM (every rank stopped; nothing saved since the last checkpoint; "
+        "--exit-signal-handler saves one first)"], err
+    assert left_behind(session=proc.pid) == []

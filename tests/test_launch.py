@@ -1,12 +1,17 @@
 """The multi-rank harness itself: results per rank, tracebacks, and timeouts."""
 
+import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import time
 
+import psutil
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import ROOT, left_behind
 
 from megatron_tsp.run.launch import PoolTimeout, RankError, WorkerPool
 
@@ -27,6 +32,19 @@ def _kill_rank_1():
     if dist.get_rank() == 1:
         os.kill(os.getpid(), signal.SIGKILL)
     time.sleep(60)
+
+
+def _kill_rank_1_with_a_child(folder):
+    """As in a checkpoint save: the rank has forked a writer (which inherits its pipes and
+    sockets) when it is killed."""
+    child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(300,))
+    child.start()
+    with open(os.path.join(folder, f"child-{dist.get_rank()}"), "w") as f:
+        f.write(str(child.pid))
+    dist.barrier()
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(300)
 
 
 def _hang_on_rank_1():
@@ -64,3 +82,47 @@ def test_hang_becomes_a_timeout():
         pool.run(_hang_on_rank_1, timeout_s=3)
     assert time.monotonic() - start < 20
     assert not pool.alive
+
+
+def test_a_rank_killed_beside_its_child_is_named_within_seconds_and_nothing_is_left(tmp_path):
+    pool = WorkerPool(2, device_type="cpu")
+    workers = [psutil.Process(pid) for pid in pool.pids]
+    start = time.monotonic()
+    with pytest.raises(RankError) as failure:
+        pool.run(_kill_rank_1_with_a_child, str(tmp_path), timeout_s=120)
+    assert failure.value.summary == "rank 1 was killed by SIGKILL"
+    assert time.monotonic() - start < 20
+    children = [psutil.Process(int((tmp_path / f"child-{r}").read_text())) for r in range(2)]
+    _, alive = psutil.wait_procs(workers + children, timeout=10)
+    assert alive == []
+
+
+def _hang_with_a_child():
+    child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(300,))
+    child.start()
+    time.sleep(300)
+
+
+_LAUNCHER = f"""
+import sys
+sys.path[:0] = [{ROOT!r}, {os.path.join(ROOT, "tests")!r}]
+from megatron_tsp.run.launch import WorkerPool
+from test_launch import _hang_with_a_child
+if __name__ == "__main__":
+    pool = WorkerPool(2, device_type="cpu")
+    print("started", flush=True)
+    pool.run(_hang_with_a_child, timeout_s=600)
+"""
+
+
+def test_a_launcher_killed_with_sigkill_leaves_no_process():
+    proc = subprocess.Popen([sys.executable, "-c", _LAUNCHER], stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        assert proc.stdout.readline().strip() == "started"
+        time.sleep(2)  # the ranks have forked their children
+        proc.kill()
+        proc.wait()
+        assert left_behind(session=proc.pid) == []
+    finally:
+        subprocess.run(["pkill", "-KILL", "-s", str(proc.pid)], check=False)

@@ -3,6 +3,7 @@
 import glob
 import os
 import subprocess
+import sys
 
 import pytest
 from conftest import ROOT
@@ -39,3 +40,31 @@ def test_table_reports_ratio_to_first_run():
             "tp": compare.summarize([{"elapsed_ms": 25.0, "loss": 2.0}] * 5, warmup=2)}
     text = compare.table(runs)
     assert "| tp | 5 | 25.0 | 25.0-25.0 | 2.50x |" in text
+
+
+def test_pretrain_script_without_a_megatron_lm_checkout_says_so_in_one_line(tmp_path):
+    env = dict(os.environ, MEGATRON_LM_PATH=str(tmp_path))
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "pretrain_gpt_tsp.py"), "--tsp-size", "2"],
+                            env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        f"pretrain_gpt_tsp.py: error: MEGATRON_LM_PATH={tmp_path} is not a Megatron-LM checkout (no pretrain_gpt.py); "
+        "set MEGATRON_LM_PATH to a checkout at tag core_v0.16.1"]
+
+
+def test_args_into_a_closed_pipe_ends_quietly():
+    result = subprocess.run(f"{sys.executable} -m megatron_tsp.cli args configs/7b/128k-tsp8.yaml | head -c 10",
+                            shell=True, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.stdout == "--num-laye" and result.stderr == "", result.stderr
+
+
+@pytest.mark.parametrize("script", [s for s in SCRIPTS if s.endswith(".sbatch")], ids=os.path.basename)
+def test_batch_jobs_save_before_their_time_limit(script):
+    """Slurm's SIGTERM comes before the limit, and every rank then saves (--exit-signal-handler)."""
+    with open(script) as f:
+        assert "#SBATCH --signal=TERM@" in f.read()
+    with open(os.path.join(ROOT, "scripts", "slurm", "launch.sh")) as f:
+        launch = f.read()
+    entries = [line for line in launch.splitlines() if line.lstrip().startswith("ENTRY=(")]
+    assert len(entries) == 2 and all("--exit-signal-handler" in e for e in entries), entries
+    assert "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" in launch

@@ -14,8 +14,12 @@ arguments saved in ``common`` with the model it loads into, and every failure is
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import json
 import os
+import re
+import socket
 import zlib
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -30,6 +34,7 @@ from megatron_tsp.run.compat import enable_torch_adam_checkpoints
 from megatron_tsp.run.step import unwrap
 
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+_ITERATION = re.compile(r"iter_\d{7}")
 
 
 def _model_state(model: List[torch.nn.Module]) -> Dict[str, Any]:
@@ -79,6 +84,91 @@ def latest(root: Optional[str]) -> Optional[Tuple[str, int]]:
     return path, int(text)
 
 
+def check_load_root(root: str) -> Optional[int]:
+    """The iteration ``--load ROOT`` resumes from, or None for an empty directory; one line
+    for a directory that holds checkpoints it would not resume from (never a silent fresh
+    start)."""
+    found = latest(root)
+    if found:
+        return found[1]
+    if _ITERATION.fullmatch(os.path.basename(os.path.normpath(root))) and os.path.isfile(
+            os.path.join(root, ".metadata")):
+        parent = os.path.dirname(os.path.normpath(root)) or "."
+        raise CheckpointError(f"--load {root} is one iteration of a checkpoint; give the directory above it "
+                              f"(--load {parent}), whose {TRACKER} names the iteration to resume from")
+    iterations = sorted(n for n in os.listdir(root) if _ITERATION.fullmatch(n))
+    if iterations:
+        raise CheckpointError(
+            f"--load {root} holds {', '.join(iterations[-3:])} but no {TRACKER} (a save that did not finish, or a "
+            f"copy without it); write the iteration to resume from into {os.path.join(root, TRACKER)}")
+    return None
+
+
+class SaveLock:
+    """``--save ROOT`` belongs to one run at a time: ``ROOT/.lock`` names its holder (PID, host,
+    start time). A second run refuses with one line; a lock whose holder is gone (same host, no
+    such process) is taken over with one line. Released when the run ends."""
+
+    NAME = ".lock"
+
+    def __init__(self, root: str):
+        self.path = os.path.join(root, self.NAME)
+        self.held = False
+
+    def __enter__(self) -> "SaveLock":
+        import psutil
+
+        me = psutil.Process()
+        record = {"pid": me.pid, "host": socket.gethostname(), "started": me.create_time()}
+        for _ in range(2):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                holder = self._holder()
+                if holder is not None:
+                    when = datetime.datetime.fromtimestamp(holder.get("started", 0)).strftime("%Y-%m-%d %H:%M")
+                    raise CheckpointError(
+                        f"--save {os.path.dirname(self.path)} is in use by PID {holder.get('pid')} on "
+                        f"{holder.get('host')} (running since {when}); wait for that run or save elsewhere. If "
+                        f"it is gone, delete {self.path}") from None
+                print(f" --save: taking over {self.path}: the run that held it is gone", flush=True)
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(self.path)
+                continue
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(record, f)
+            self.held = True
+            return self
+        raise CheckpointError(f"--save: {self.path} keeps reappearing; is another run starting in "
+                              f"{os.path.dirname(self.path)}?")
+
+    def _holder(self) -> Optional[Dict[str, Any]]:
+        """The lock's record if its holder may still be running, None if it is gone."""
+        import psutil
+
+        try:
+            with open(self.path, encoding="utf-8") as f:
+                holder = json.load(f)
+            pid, host, started = holder["pid"], holder["host"], holder["started"]
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, KeyError, TypeError):
+            return {"pid": "?", "host": "? (unreadable lock file)"}
+        if host != socket.gethostname():
+            return holder  # another machine's process: it cannot be looked at from here
+        try:
+            alive = abs(psutil.Process(pid).create_time() - started) < 1.0  # the same process, not a reused PID
+        except (psutil.NoSuchProcess, ValueError, TypeError):
+            alive = False
+        return holder if alive else None
+
+    def __exit__(self, *exc) -> None:
+        if self.held:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self.path)
+            self.held = False
+
+
 def save_iteration(root: str, iteration: int, *args, **kwargs) -> str:
     """:func:`save` into ``ROOT/iter_N``, then point the tracker at it (a save killed halfway
     leaves the tracker at the previous checkpoint)."""
@@ -124,12 +214,15 @@ def load(path: str, model: List[torch.nn.Module], optimizer=None,
     """Load into ``model`` (and ``optimizer``); return (common entries, this rank's object or
     None when it was not saved or the world size differs). ``model_args``: the shape
     arguments of ``model``, refused with one line if the checkpoint saved different ones."""
-    _verify(path)
+    verified = _verify(path)
     try:
         common = dist_checkpointing.load_common_state_dict(path)
     except Exception as exc:  # noqa: BLE001 - any unpickling failure means the same thing
         raise CheckpointError(f"{os.path.join(path, 'common.pt')}: cannot be read "
                               f"({type(exc).__name__}); the checkpoint is damaged") from exc
+    if not verified and "model_args" in common:  # ours: it was saved with a manifest
+        raise CheckpointError(f"checkpoint {path}: {CHECKSUMS} is missing from a megatron-tsp checkpoint, so its "
+                              "files cannot be verified; resume from another iteration (or restore the file)")
     _check_model_args(path, common.get("model_args"), model_args)
     state = _model_state(model)
     _check_shapes(path, state)
@@ -202,20 +295,17 @@ def _write_checksums(path: str) -> None:
     dist.barrier()
 
 
-def _verify(path: str) -> None:
-    """Raise the same CheckpointError on every rank if a file is missing, resized or altered
-    (checkpoints without a manifest, e.g. Megatron-LM's, are checked for completeness only)."""
+def _verify(path: str) -> bool:
+    """Raise the same CheckpointError on every rank if a file is missing, resized or altered;
+    return whether there was a manifest to check (Megatron-LM's checkpoints have none and are
+    checked for completeness only)."""
     if not os.path.isfile(os.path.join(path, ".metadata")):
         raise CheckpointError(f"checkpoint {path}: .metadata is missing (an unfinished save, or not a "
                               "dist_checkpointing directory)")
     manifest_path = os.path.join(path, CHECKSUMS)
     if not os.path.isfile(manifest_path):
-        return
-    try:
-        with open(manifest_path, encoding="utf-8") as f:
-            manifest = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{manifest_path}: cannot be read ({exc})") from None
+        return False
+    manifest = _read_manifest(manifest_path)
     rank, world = dist.get_rank(), dist.get_world_size()
     problems = []
     for i, (name, entry) in enumerate(sorted(manifest.items())):
@@ -232,3 +322,19 @@ def _verify(path: str) -> None:
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise CheckpointError(f"checkpoint {problems[0]}{more}; the checkpoint cannot be used")
+    return True
+
+
+def _read_manifest(path: str) -> Dict[str, Dict[str, int]]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            manifest = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: cannot be read ({exc})") from None
+    well_formed = isinstance(manifest, dict) and all(
+        isinstance(name, str) and isinstance(entry, dict) and isinstance(entry.get("bytes"), int)
+        and isinstance(entry.get("crc32"), int) for name, entry in manifest.items())
+    if not well_formed:
+        raise CheckpointError(f"{path}: not a checksum manifest (expected {{file: {{bytes, crc32}}}}); the "
+                              "checkpoint cannot be verified")
+    return manifest

@@ -104,6 +104,10 @@ ARGUMENTS: Dict[str, Arg] = {
     "save": Arg(str, None, "checkpoint directory to save to"),
     "load": Arg(str, None, "checkpoint directory to resume from"),
     "save_interval": Arg(int, None, "iterations between checkpoints"),
+    # stopping early (Megatron-LM's meaning): save, then exit 0
+    "exit_signal_handler": _b("on SIGTERM (preemption, scancel, a time limit) finish the step, save, exit 0"),
+    "exit_duration_in_mins": Arg(int, None, "save and exit after this many minutes of training"),
+    "exit_interval": Arg(int, None, "save and exit at the first iteration divisible by this"),
 }
 
 # Keys whose value names no Megatron-LM flag (read by megatron_tsp only).
@@ -115,12 +119,31 @@ def load_config(path: str) -> Dict[str, Any]:
     return _load(os.path.abspath(path), seen=())
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, except that a key given twice in one mapping is an error naming the
+    key and both lines (plain YAML keeps the last one without a word)."""
+
+    def construct_mapping(self, node, deep=False):
+        first_line: Dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            try:
+                line = first_line.setdefault(key, key_node.start_mark.line + 1)
+            except TypeError:  # an unhashable key: the safe loader's own error follows
+                break
+            if line != key_node.start_mark.line + 1:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} given twice (lines {line} and {key_node.start_mark.line + 1}); "
+                                "keep one", key_node.start_mark)
+        return super().construct_mapping(node, deep)
+
+
 def read_yaml(path: str, extended_by: Optional[str] = None) -> Any:
     """The parsed YAML file; one ConfigError line for a missing, unreadable or invalid file."""
     by = f" (extended by {extended_by})" if extended_by else ""
     try:
         with open(path, encoding="utf-8") as f:
-            return yaml.safe_load(f)
+            return yaml.load(f, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader
     except FileNotFoundError:
         raise ConfigError(f"config file not found: {path}{by}") from None
     except IsADirectoryError:
@@ -129,6 +152,8 @@ def read_yaml(path: str, extended_by: Optional[str] = None) -> Any:
         raise ConfigError(f"{path}{by}: cannot be read (permission denied)") from None
     except UnicodeDecodeError:
         raise ConfigError(f"{path}{by}: not a text file; a config is YAML") from None
+    except RecursionError:
+        raise ConfigError(f"{path}{by}: nested too deeply; a config is a flat mapping of keys to values") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark else path
@@ -175,6 +200,8 @@ def typed(values: Dict[str, Any], where: str) -> Dict[str, Any]:
         elif isinstance(value, str) and arg.type is list:
             value = [value]
         ok = value is None or isinstance(value, arg.type) or (arg.type is float and isinstance(value, int))
+        if arg.type is list and isinstance(value, list):
+            ok = all(isinstance(v, (str, int, float)) and not isinstance(v, bool) for v in value)
         if arg.type in (int, float) and isinstance(value, bool):
             ok = False
         if not ok:
@@ -223,11 +250,12 @@ POSITIVE_INTS = (
     "seq_length", "max_position_embeddings", "rotary_base", "tsp_size", "tensor_model_parallel_size",
     "context_parallel_size", "pipeline_model_parallel_size", "micro_batch_size", "global_batch_size",
     "train_iters", "lr_decay_iters", "recompute_num_layers", "log_interval", "vocab_size",
-    "make_vocab_size_divisible_by", "save_interval",
+    "make_vocab_size_divisible_by", "save_interval", "exit_duration_in_mins", "exit_interval",
 )
 NON_NEGATIVE = ("lr", "min_lr", "lr_warmup_iters", "weight_decay", "clip_grad", "seed")
 POSITIVE_FLOATS = ("init_method_std", "norm_epsilon")
 FRACTIONS = ("attention_dropout", "hidden_dropout", "adam_beta1", "adam_beta2")  # in [0, 1)
+MAX_SEED = 2**31
 RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm")  # megatron's, for dense GPT models
 CHOICES = {
     "position_embedding_type": ("rope", "learned_absolute"),
@@ -253,6 +281,8 @@ def check_values(ns: argparse.Namespace) -> None:
     for key in NON_NEGATIVE:
         if getattr(ns, key) < 0:
             raise bad(key, ">= 0")
+    if ns.seed >= MAX_SEED:  # megatron adds rank offsets; numpy takes seeds below 2**32
+        raise bad("seed", f"below {MAX_SEED}")
     for key in POSITIVE_FLOATS:
         if getattr(ns, key) <= 0:
             raise bad(key, "> 0")

@@ -10,9 +10,11 @@ Megatron's order: iteration i, micro-batch m, data-parallel rank r reads samples
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import os
 import random
+import sys
 from typing import Dict, List
 
 import numpy
@@ -26,6 +28,7 @@ from megatron_tsp.core.sizes import ParallelSizes
 from megatron_tsp.errors import ConfigError, DataError
 
 TINY_CORPUS_NAME = "tsp-tiny-corpus"
+_INDEX_HEADER = b"MMIDIDX\x00\x00"  # the first bytes of megatron-core's .idx (indexed_dataset._INDEX_HEADER)
 BYTE_VOCAB = 256
 
 _SUBJECTS = ["the cat", "a dog", "my friend", "the old man", "a small bird", "the teacher",
@@ -85,23 +88,47 @@ def check_corpus(prefixes: List[str], vocab_size: int) -> None:
                             "megatron .bin/.idx pair)")
         if os.path.getsize(bin_) == 0:
             raise DataError(f"{bin_}: empty, the dataset holds no tokens")
-        try:
-            dataset = IndexedDataset(prefix, multimodal=False, mmap=True)
-        except Exception as exc:  # noqa: BLE001 - megatron asserts on a bad header, numpy on a short file
-            raise DataError(f"{idx}: not a readable megatron index ({type(exc).__name__}: {exc})") from None
-        index = dataset.index
+        index = _read_index(prefix)
         if len(index) == 0:
             raise DataError(f"{idx}: the index lists no sequences (an empty dataset)")
-        tokens = int(index.sequence_pointers[-1]) // index.dtype_size + int(index.sequence_lengths[-1])
+        lengths = numpy.asarray(index.sequence_lengths, dtype=numpy.int64)
+        pointers = numpy.asarray(index.sequence_pointers, dtype=numpy.int64)
+        documents = numpy.asarray(index.document_indices, dtype=numpy.int64)
+        consistent = (pointers[0] == 0 and numpy.array_equal(numpy.diff(pointers), lengths[:-1] * index.dtype_size)
+                      and documents[0] == 0 and documents[-1] == len(index) and numpy.all(numpy.diff(documents) >= 0))
+        if not consistent:
+            raise DataError(f"{idx}: its sequence offsets, lengths and document boundaries disagree (a damaged "
+                            "index); rebuild the dataset")
+        tokens = int(lengths.sum())
         size = os.path.getsize(bin_)
-        if size < tokens * index.dtype_size:
-            raise DataError(f"{bin_}: {size} bytes, its index needs {tokens * index.dtype_size} (truncated); "
-                            "rebuild the dataset")
+        if size != tokens * index.dtype_size:
+            what = "truncated" if size < tokens * index.dtype_size else "longer than its index: another corpus's .bin?"
+            raise DataError(f"{bin_}: {size} bytes, its index describes {tokens * index.dtype_size} ({what}); "
+                            "use the .bin and .idx written together, or rebuild the dataset")
         ids = numpy.memmap(bin_, dtype=index.dtype, mode="r", shape=(tokens,))
         largest = max(int(ids[i:i + (1 << 26)].max()) for i in range(0, tokens, 1 << 26))
         if largest >= vocab_size:
             raise DataError(f"{bin_}: token id {largest} is outside the vocabulary of {vocab_size} ids "
                             f"(--vocab-size {vocab_size - 1} + end-of-document); set --vocab-size {largest} or more")
+
+
+def _read_index(prefix: str):
+    """The index of megatron's indexed dataset ``prefix``, or one DataError line."""
+    with open(prefix + ".idx", "rb") as f:
+        header = f.read(len(_INDEX_HEADER))
+    if header != _INDEX_HEADER:
+        raise DataError(f"{prefix}.idx: not a megatron index (its header is {header[:9]!r}, not {_INDEX_HEADER!r})")
+    error = None
+    # A dataset whose construction failed half-way complains again from its __del__.
+    hook, sys.unraisablehook = sys.unraisablehook, lambda unraisable: None
+    try:
+        try:
+            return IndexedDataset(prefix, multimodal=False, mmap=True).index
+        except Exception as exc:  # noqa: BLE001 - megatron asserts on a bad header, numpy on a short file
+            error = f"{type(exc).__name__}: {exc}"
+    finally:
+        sys.unraisablehook = hook
+    raise DataError(f"{prefix}.idx: not a readable megatron index ({error}); rebuild the dataset")
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel: int) -> int:
@@ -117,6 +144,15 @@ def padded_vocab(args) -> int:
     """The run's vocabulary, padded (see :func:`padded_vocab_size`)."""
     return padded_vocab_size(tokenizer_for(args).vocab_size, args.make_vocab_size_divisible_by,
                              ParallelSizes.of(args).tensor_slot)
+
+
+def _not_cache_warning(record: logging.LogRecord) -> bool:
+    # megatron warns on every rank's stderr that mock data's sample indexes are not cached;
+    # they are rebuilt in milliseconds and nothing should be cached for them
+    return "because path_to_cache is None" not in record.getMessage()
+
+
+logging.getLogger("megatron.core.datasets.gpt_dataset").addFilter(_not_cache_warning)
 
 
 def build_train_dataset(args, num_samples: int, data_parallel_size: int):

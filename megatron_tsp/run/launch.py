@@ -13,8 +13,14 @@ message, never a stuck job.
 
 A rank that stops answering (stopped, deadlocked) makes the others fail in their next
 collective after the collective timeout; the error then names the ranks that did not report
-(the culprit), and says so when the operating system has the process stopped. Workers ignore
-Ctrl-C: the parent gets it and kills them.
+(the culprit), and a rank the operating system has stopped is named as the stopped one.
+Workers ignore Ctrl-C: the parent gets it and kills them.
+
+No process outlives a pool. Its workers and everything they start (megatron-core's checkpoint
+writers and their result-queue manager) live in one process group led by a small reaper
+process, which kills the group when the launcher dies, even by SIGKILL; closing the pool kills
+the group too. A rank's death is noticed from its exit status, which the fork server reports,
+also when a child it forked still holds its pipes.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import multiprocessing as mp
 import os
 import signal
 import socket
+import subprocess
 import sys
 import time
 import traceback
@@ -54,6 +61,21 @@ class RankError(RuntimeError):
 
 class PoolTimeout(TimeoutError):
     """Some rank did not answer before the deadline; the pool was killed."""
+
+
+class Terminated(BaseException):
+    """This process received SIGTERM (preemption, ``scancel``, a time limit) and nothing in
+    the job handles it: every rank is killed. A BaseException, like KeyboardInterrupt, so that
+    no ``except Exception`` on the way swallows it."""
+
+    def __init__(self, signum: int = signal.SIGTERM):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def raise_terminated(signum: int, frame: Any) -> None:
+    """A signal handler: SIGTERM ends this process as Ctrl-C would (cleanup, one line)."""
+    raise Terminated(signum)
 
 
 def _report(exc: BaseException) -> tuple:
@@ -138,16 +160,40 @@ class Job:
     """The ranks of one job, seen from where the caller runs. ``rank``: this process's rank (the
     launcher counts as rank 0 of a local job); ``world_size``; ``run(fn, *args)`` runs
     ``fn(*args)`` on every rank and returns what this process sees of the results (every
-    rank's for a local job, its own under torchrun); ``barrier()``."""
+    rank's for a local job, its own under torchrun)."""
 
-    def __init__(self, world_size: int, rank: int, run: Callable, barrier: Callable[[], None] = lambda: None):
-        self.world_size, self.rank, self.run, self.barrier = world_size, rank, run, barrier
+    def __init__(self, world_size: int, rank: int, run: Callable, torchrun: bool = False):
+        self.world_size, self.rank, self.run, self._torchrun = world_size, rank, run, torchrun
+
+    def on_rank0(self, fn: Callable, *args) -> None:
+        """``fn(*args)`` once, on rank 0 (the launcher of a local job), before the others go on.
+        Under torchrun a UserError there is raised on every rank with the same line, instead
+        of leaving the others waiting for rank 0 until the collective timeout."""
+        if not self._torchrun:
+            fn(*args)
+            return
+        import torch.distributed as dist
+
+        outcome: List[Any] = [None]
+        if self.rank == 0:
+            try:
+                fn(*args)
+            except UserError as exc:
+                outcome[0] = exc
+        dist.broadcast_object_list(outcome, src=0)
+        if outcome[0] is not None:
+            raise outcome[0]
 
 
 @contextlib.contextmanager
-def job(nproc: int, collective_timeout_min: float = 10.0, timeout_s: float = DEFAULT_TIMEOUT_S) -> Iterator[Job]:
+def job(nproc: int, collective_timeout_min: float = 10.0, timeout_s: float = DEFAULT_TIMEOUT_S,
+        forward_sigterm: bool = False) -> Iterator[Job]:
     """Under torchrun: join its job on this rank's device (NCCL/RCCL on GPUs, gloo on the
-    CPU). Otherwise: ``nproc`` local ranks, the pool started at the first ``run``."""
+    CPU). Otherwise: ``nproc`` local ranks, the pool started at the first ``run``.
+
+    ``forward_sigterm``: the ranks handle SIGTERM themselves (``--exit-signal-handler``), so a
+    local launcher that receives it passes it on to them and waits for them to finish;
+    otherwise SIGTERM kills the ranks (:class:`Terminated`)."""
     global _DEVICE
     if under_torchrun():
         import torch.distributed as dist
@@ -158,7 +204,7 @@ def job(nproc: int, collective_timeout_min: float = 10.0, timeout_s: float = DEF
         _DEVICE.activate()
         dist.init_process_group(_DEVICE.backend, timeout=datetime.timedelta(minutes=collective_timeout_min))
         try:
-            yield Job(dist.get_world_size(), dist.get_rank(), lambda fn, *args, **kw: [fn(*args, **kw)], dist.barrier)
+            yield Job(dist.get_world_size(), dist.get_rank(), lambda fn, *args, **kw: [fn(*args, **kw)], torchrun=True)
         finally:
             dist.destroy_process_group()
         return
@@ -169,20 +215,29 @@ def job(nproc: int, collective_timeout_min: float = 10.0, timeout_s: float = DEF
             pools.append(WorkerPool(nproc, collective_timeout_s=60 * collective_timeout_min))
         return pools[0].run(fn, *args, timeout_s=timeout_s, **kwargs)
 
+    def forward(signum, frame):
+        for pool in pools:
+            pool.signal(signum)
+
+    previous = signal.signal(signal.SIGTERM, forward) if forward_sigterm else None
     try:
         yield Job(nproc, 0, run)
     except BaseException:
         for pool in pools:
             pool.close(kill=True)
         raise
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     for pool in pools:
         pool.close()
 
 
 def _worker(rank: int, world_size: int, port: int, conn: Connection, path: List[str],
-            collective_timeout_s: float, device_type: Optional[str]) -> None:
+            collective_timeout_s: float, device_type: Optional[str], group: int) -> None:
     global _DEVICE
     sys.path[:] = path
+    os.setpgid(0, group)  # the pool's process group: whatever this rank starts is in it too
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -238,6 +293,24 @@ def _context():
     return ctx
 
 
+# The reaper: the leader of a pool's process group. It ignores the signals a terminal or a
+# scheduler sends to everybody, and kills its group (itself included) once the launcher that
+# started it is gone.
+_REAPER = """
+import os, signal, sys, time
+for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    signal.signal(s, signal.SIG_IGN)
+while os.getppid() == int(sys.argv[1]):
+    time.sleep(0.5)
+os.killpg(0, signal.SIGKILL)
+"""
+
+
+def _start_reaper() -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-S", "-c", _REAPER, str(os.getpid())], process_group=0,
+                            stdin=subprocess.DEVNULL, close_fds=True)
+
+
 class WorkerPool:
     """``world_size`` processes, reused across calls; each call runs in a fresh process group.
     Rank r runs on GPU r (modulo the GPUs there are; NCCL/RCCL) where torch sees GPUs, else
@@ -248,18 +321,20 @@ class WorkerPool:
         self.world_size = world_size
         ctx = _context()
         port = free_port()
+        self._reaper = _start_reaper()
         self._conns: List[Connection] = []
         self._procs = []
         # megatron-core warns about missing CUDA extensions on every import, before the
         # worker function runs; keep the parent's output readable.
         saved_warnings = os.environ.get("PYTHONWARNINGS")
         os.environ["PYTHONWARNINGS"] = "ignore"
-        try:
+        try:  # a failure or Ctrl-C while the ranks start leaves none of them behind
             for rank in range(world_size):
                 parent, child = ctx.Pipe()
                 proc = ctx.Process(
                     target=_worker,
-                    args=(rank, world_size, port, child, list(sys.path), collective_timeout_s, device_type),
+                    args=(rank, world_size, port, child, list(sys.path), collective_timeout_s, device_type,
+                          self._reaper.pid),
                     # not daemonic: megatron's checkpoint writer starts processes of its own.
                     # A worker exits when its pipe to the parent closes.
                     daemon=False,
@@ -268,18 +343,26 @@ class WorkerPool:
                 child.close()
                 self._conns.append(parent)
                 self._procs.append(proc)
+            self._collect("start-up", start_timeout_s)
+        except BaseException:
+            self.close(kill=True)
+            raise
         finally:
             if saved_warnings is None:
                 del os.environ["PYTHONWARNINGS"]
             else:
                 os.environ["PYTHONWARNINGS"] = saved_warnings
-        self._collect("start-up", start_timeout_s)
 
     def __enter__(self) -> "WorkerPool":
         return self
 
     def __exit__(self, exc_type, *exc) -> None:
         self.close(kill=exc_type is not None)  # a failure or Ctrl-C: no waiting for busy ranks
+
+    @property
+    def pids(self) -> List[int]:
+        """The workers' process ids, by rank."""
+        return [p.pid for p in self._procs]
 
     @property
     def alive(self) -> bool:
@@ -305,9 +388,10 @@ class WorkerPool:
                 ranks = sorted(pending.values())
                 stopped = self._stopped(ranks)
                 self.close(kill=True)
+                why = f" (rank(s) {stopped} stopped by the operating system: SIGSTOP, a debugger?)" if stopped else ""
                 raise PoolTimeout(
                     f"{what}: rank(s) {ranks} of {self.world_size} did not finish within "
-                    f"{timeout_s:.0f}s{stopped}; the worker pool was killed"
+                    f"{timeout_s:.0f}s{why}; the worker pool was killed"
                 )
             ready = wait(list(pending) + list(sentinels), timeout=left)
             for obj in ready:
@@ -319,7 +403,7 @@ class WorkerPool:
                         self._died(what, rank)
                     if results[rank][0] == "err" and failed is None:
                         failed = rank
-                        if "timed out" not in results[rank][1][0].lower():
+                        if not _is_timeout(results[rank][1][0]):
                             pending.clear()
                             break
                         # a collective timed out: give the others a moment to report theirs
@@ -329,8 +413,14 @@ class WorkerPool:
         if failed is not None:
             summary, text, user_error = results[failed][1]
             quiet = sorted(pending.values())
-            silent = f"; rank(s) {quiet} stopped answering{self._stopped(quiet)}" if quiet else ""
+            stopped = self._stopped(quiet)
             self.close(kill=True)
+            if stopped:  # the cause, and the failed rank only its victim
+                culprit = stopped[0]
+                line = (f"rank(s) {stopped} stopped by the operating system (SIGSTOP, a debugger?); "
+                        f"rank {failed} gave up waiting: {summary}")
+                raise RankError(f"{what}: {line}:\n{text}", culprit, line, text)
+            silent = f"; rank(s) {quiet} stopped answering" if quiet else ""
             raise RankError(f"{what} failed on rank {failed}{silent}:\n{text}", failed,
                             f"rank {failed}: {summary}{silent}", text, user_error and not silent)
         return [r[1] for r in results]
@@ -341,8 +431,8 @@ class WorkerPool:
         self.close(kill=True)
         raise RankError(f"{what}: {reason}", rank, reason)
 
-    def _stopped(self, ranks: List[int]) -> str:
-        """Which of ``ranks`` the operating system has stopped (SIGSTOP, a debugger), as text."""
+    def _stopped(self, ranks: List[int]) -> List[int]:
+        """Those of ``ranks`` the operating system has stopped (SIGSTOP, a debugger)."""
         import psutil
 
         stopped = []
@@ -352,9 +442,17 @@ class WorkerPool:
                     stopped.append(rank)
             except psutil.NoSuchProcess:
                 pass
-        return f" (process of rank(s) {stopped} is stopped, SIGSTOP?)" if stopped else ""
+        return stopped
+
+    def signal(self, signum: int) -> None:
+        """Send ``signum`` to every rank (not to what they started)."""
+        for proc in self._procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signum)
 
     def close(self, kill: bool = False) -> None:
+        """Stop the workers (asked to exit, or killed), then kill whatever is left of the
+        process group: checkpoint writers and managers the ranks started."""
         for conn, proc in zip(self._conns, self._procs):
             if not kill and proc.is_alive():
                 try:
@@ -364,24 +462,22 @@ class WorkerPool:
         for proc in self._procs:
             if not kill:
                 proc.join(timeout=5)
-            _kill_tree(proc.pid)
+            if proc.is_alive():
+                proc.kill()
+        if self._reaper is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._reaper.pid, signal.SIGKILL)
+            self._reaper.wait()
+            self._reaper = None
+        for proc in self._procs:
             proc.join()
         for conn in self._conns:
             conn.close()
         self._procs, self._conns = [], []
 
 
-def _kill_tree(pid: int) -> None:
-    """Kill a worker and whatever it started (megatron's checkpoint writers)."""
-    import psutil
-
-    try:
-        root = psutil.Process(pid)
-        procs = root.children(recursive=True) + [root]
-    except psutil.NoSuchProcess:
-        return
-    for p in procs:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
+def _is_timeout(line: str) -> bool:
+    """Whether a rank's error says a collective waited too long (gloo: "timed out", "Application
+    timeout caused pair closure"; NCCL: "Watchdog caught collective operation timeout")."""
+    line = line.lower()
+    return "timed out" in line or "timeout" in line

@@ -13,6 +13,7 @@ import datetime
 import json
 import math
 import os
+import signal
 import time
 from typing import Any, Dict, List, Optional
 
@@ -63,6 +64,46 @@ def _set_rng_state(device: Device, state: Dict[str, Any]) -> None:
     torch.set_rng_state(state["cpu"])
     get_cuda_rng_tracker().set_states(state["tracker"])
     device.set_rng_state(state["cuda"])
+
+
+class EarlyExit:
+    """Megatron-LM's ways to stop before ``--train-iters`` with a checkpoint, decided the same on
+    every rank after each step: ``--exit-signal-handler`` (SIGTERM received by any rank),
+    ``--exit-duration-in-mins`` (minutes since training started, the slowest rank's clock) and
+    ``--exit-interval`` (the iteration is a multiple). The handler is this rank's while training
+    and the previous one's afterwards."""
+
+    def __init__(self, args, device: Device):
+        self.args, self.device = args, device
+        self.started = time.time()
+        self.received: Optional[str] = None
+        self._previous = None
+        if args.exit_signal_handler:
+            self._previous = signal.signal(signal.SIGTERM, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        self.received = signal.Signals(signum).name
+
+    def reason(self, iteration: int) -> Optional[str]:
+        """Why to stop after ``iteration``, or None."""
+        args = self.args
+        if args.exit_signal_handler or args.exit_duration_in_mins:
+            minutes = (time.time() - self.started) / 60
+            flags = torch.tensor([self.received is not None, minutes], dtype=torch.float64, device=self.device.torch)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            received, minutes = flags.tolist()
+            if received:
+                return f"{self.received or 'SIGTERM'} received, --exit-signal-handler"
+            if args.exit_duration_in_mins and minutes > args.exit_duration_in_mins:
+                return f"--exit-duration-in-mins {args.exit_duration_in_mins} reached"
+        if args.exit_interval and iteration % args.exit_interval == 0:
+            return f"--exit-interval {args.exit_interval}"
+        return None
+
+    def close(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
 
 
 class Logger:
@@ -138,6 +179,15 @@ def train(args, device: Device, log_path: Optional[str] = None, collective_timeo
 
     Losses stay on the device until a log line or a checkpoint needs them: one reduction
     over the pipeline and data-parallel groups then (:func:`step.global_losses`)."""
+    exits = EarlyExit(args, device)  # first: a SIGTERM during the set-up is a stop after the first step
+    try:
+        return _train(args, device, exits, log_path, collective_timeout_min)
+    finally:
+        exits.close()
+
+
+def _train(args, device: Device, exits: EarlyExit, log_path: Optional[str], collective_timeout_min: float
+           ) -> Dict[str, Any]:
     initialize(args, device, distributed_timeout_minutes=collective_timeout_min)
     dp, dp_rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
     global_batch = args.global_batch_size or args.micro_batch_size * dp
@@ -162,8 +212,10 @@ def train(args, device: Device, log_path: Optional[str] = None, collective_timeo
         pending.append(result["loss"])
         lr = optimizer.param_groups[0]["lr"]
         scheduler.step(increment=1)
-        logged = done % args.log_interval == 0 or done == args.train_iters
-        saved = args.save and (done == args.train_iters or (args.save_interval and done % args.save_interval == 0))
+        stop = exits.reason(done) if done < args.train_iters else None
+        logged = done % args.log_interval == 0 or done == args.train_iters or stop
+        saved = args.save and (done == args.train_iters or (args.save_interval and done % args.save_interval == 0)
+                               or stop)
         if not (logged or saved):
             continue
         losses = step.global_losses(pending)  # waits for the device
@@ -184,5 +236,8 @@ def train(args, device: Device, log_path: Optional[str] = None, collective_timeo
             logger.log(record)
         if saved:
             save(args, device, done, model, optimizer, scheduler)
+        if stop:
+            record["stopped"] = stop
+            break
         interval_start = time.perf_counter()
     return record

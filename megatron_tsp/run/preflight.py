@@ -5,7 +5,7 @@ Everything that can be known without the ranks is checked here, in the launching
 and no process starts: the world size against the parallel sizes, the batch sizes, what
 needs TransformerEngine, the tokenizer, the data files (present, complete, token ids inside
 the vocabulary), that ``--save`` can be written and that ``--load`` exists and names a
-readable checkpoint.
+readable checkpoint; and that the files and folders it will write can be written.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import os
 import tempfile
 from typing import Optional
 
+from megatron_tsp.device import Device
 from megatron_tsp.env import transformer_engine_version
 from megatron_tsp.errors import CheckpointError, ConfigError
 from megatron_tsp.run import checkpointing, config, data
@@ -32,22 +33,35 @@ def check_run(args, world_size: int) -> Optional[int]:
         raise ConfigError("'recompute_modules' (--recompute-modules) layernorm needs TransformerEngine here "
                           "(megatron-core 0.16.1's CheckpointWithoutOutput reads its FP8 state); recompute "
                           "core_attn or mlp")
+    if args.fp16 and not Device.from_launch().is_gpu:
+        raise ConfigError("'fp16' (--fp16) needs a GPU (megatron-core's fp16 loss scaling runs on CUDA/ROCm); on the "
+                          "CPU train in fp32, or with --bf16")
     tokenizer = data.tokenizer_for(args)
     if not args.mock_data:
         data.check_corpus(args.data_path, tokenizer.vocab_size)
     if args.save:
-        _check_writable(args.save)
+        check_writable_dir(args.save, "--save")
     return _resume_iteration(args.load)
 
 
-def _check_writable(path: str) -> None:
+def check_writable_dir(path: str, flag: str) -> None:
+    """``path`` is (or can be made) a directory this process can write into; one line otherwise."""
     try:
         os.makedirs(path, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-"):
             pass
     except OSError as exc:
-        raise ConfigError(f"--save {path}: cannot be written ({exc.strerror or exc}); choose a writable "
+        raise ConfigError(f"{flag} {path}: cannot be written ({exc.strerror or exc}); choose a writable "
                           "directory") from None
+
+
+def check_writable_file(path: str, flag: str) -> None:
+    """``path`` names a file this process can write (its folder is created; the file is not)."""
+    if os.path.isdir(path) or path.endswith(os.sep):
+        raise ConfigError(f"{flag} {path}: is a directory; give a file name")
+    check_writable_dir(os.path.dirname(os.path.abspath(path)), flag)
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        raise ConfigError(f"{flag} {path}: cannot be written (permission denied); choose another file")
 
 
 def _resume_iteration(path: Optional[str]) -> Optional[int]:
@@ -59,5 +73,4 @@ def _resume_iteration(path: Optional[str]) -> Optional[int]:
     if not os.path.isdir(path):
         raise CheckpointError(f"--load {path} is a file; give the checkpoint directory (the one holding "
                               f"{checkpointing.TRACKER})")
-    found = checkpointing.latest(path)
-    return found[1] if found else None
+    return checkpointing.check_load_root(path)

@@ -24,12 +24,17 @@ MASTER_PORT=${MASTER_PORT:-29500}
 CKPT="$RUN_DIR/checkpoints"
 read -r -a EXTRA <<< "${EXTRA_ARGS:-}"
 
+# Preemption, scancel and the time limit send SIGTERM (the *.sbatch scripts ask for it 180 s
+# before the limit: #SBATCH --signal=TERM@180). With --exit-signal-handler every rank finishes
+# its step, saves a checkpoint and exits 0; the next job resumes from it (--load). torchrun
+# passes SIGTERM on to its ranks and kills them only after TORCH_ELASTIC_SHUTDOWN_TIMEOUT.
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-170}
 if [[ -n "${MEGATRON_LM_PATH:-}" ]]; then
   read -r -a FLAGS <<< "$(megatron-tsp args "$CONFIG")"
-  ENTRY=(scripts/pretrain_gpt_tsp.py "${FLAGS[@]}" --save "$CKPT" --load "$CKPT"
+  ENTRY=(scripts/pretrain_gpt_tsp.py "${FLAGS[@]}" --save "$CKPT" --load "$CKPT" --exit-signal-handler
          --tensorboard-dir "$RUN_DIR/tensorboard" "${EXTRA[@]}")
 else
-  ENTRY=(-m megatron_tsp.cli train "$CONFIG" --save "$CKPT" --load "$CKPT"
+  ENTRY=(-m megatron_tsp.cli train "$CONFIG" --save "$CKPT" --load "$CKPT" --exit-signal-handler
          --log-json "$RUN_DIR/log.jsonl" "${EXTRA[@]}")
 fi
 
