@@ -461,6 +461,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     # megatron-core warns at import that TransformerEngine/apex are missing; `megatron-tsp
     # env` reports them, and on a CPU they are not expected.
     warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).* not installed")
+    # megatron-core 0.16.1's own calls and defaults, nothing a user can change: torch's
+    # deprecated collectives, and TransformerConfig's default cuda_graph_scope "full"
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` "
+                            "is deprecated", category=FutureWarning)
+    warnings.filterwarnings("ignore", message="full scope is deprecated", category=UserWarning)
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

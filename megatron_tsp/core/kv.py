@@ -44,7 +44,11 @@ class ScatterKVGrads:
 
     def __init__(self, d_keys: torch.Tensor, d_values: torch.Tensor, group, indices: Indices,
                  inflight: comm.InFlight):
-        full = torch.stack([d_keys, d_values], dim=1).index_select(0, indices.to_rank_order)
+        # written in rank order in place: a stack and a re-index would hold two more copies of
+        # the group's fp32 dK/dV at the peak of a layer's backward
+        full = d_keys.new_empty((d_keys.size(0), 2) + tuple(d_keys.shape[1:]))
+        full[:, 0].index_copy_(0, indices.to_natural, d_keys)
+        full[:, 1].index_copy_(0, indices.to_natural, d_values)
         self.local = full.new_empty((full.size(0) // group.size(),) + tuple(full.shape[1:]))
         self.inflight = inflight
         self.handle = comm.reduce_scatter(self.local, full, group, inflight)
