@@ -21,6 +21,7 @@ _EXPORTS = {
     "initialize_model_parallel": "megatron_tsp.core.parallel_state",
     "get_gpt_block_tsp_spec": "megatron_tsp.core.spec",
     "get_gpt_layer_tsp_spec": "megatron_tsp.core.spec",
+    "with_ring_mlp": "megatron_tsp.core.spec",
     "zigzag_batch": "megatron_tsp.core.zigzag",
 }
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Regenerates the committed results of bench/results/ that a CPU can produce (memory plans,
-# predictions, plans; the CPU benchmarks have their own commands in docs/results.md).
+# predictions, plans; the CPU benchmarks have their own commands in docs/measuring.md).
 #   scripts/results.sh [memory|predict|plan|all]     (about 20 minutes for all on 2 cores)
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -234,7 +234,14 @@ def test_damaged_checkpoints_are_refused_at_load(ranks, tmp_path, damage, messag
     assert message in results[0] and len(results[0].splitlines()) == 1, results[0]
 
 
-def test_ctrl_c_exits_130_with_one_line_and_leaves_no_process(tmp_path):
+def _fork_server_importing(pid: int) -> bool:
+    """The launcher's fork server has started, and left the launcher's process group."""
+    return any("forkserver" in " ".join(p.cmdline()) and os.getpgid(p.pid) != pid
+               for p in psutil.Process(pid).children())
+
+
+@pytest.mark.parametrize("until", ["forkserver", "iteration"], ids=["while-the-ranks-import", "while-training"])
+def test_ctrl_c_exits_130_with_one_line_and_leaves_no_process(tmp_path, until):
     cmd = [sys.executable, "-m", "megatron_tsp.cli", "train", os.path.join(ROOT, "configs", "tiny-cpu.yaml"),
            "--num-layers", "1", "--log-interval", "1", "--data-path", str(tmp_path / "data" / "tsp-tiny-corpus"),
            "--log-json", str(tmp_path / "log.jsonl")]
@@ -243,9 +250,14 @@ def test_ctrl_c_exits_130_with_one_line_and_leaves_no_process(tmp_path):
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
-        for line in proc.stdout:  # wait until the ranks train
-            if "iteration" in line:
-                break
+        if until == "forkserver":  # it imports torch for the ranks: seconds, in which Ctrl-C comes
+            deadline = time.monotonic() + 60
+            while not _fork_server_importing(proc.pid) and time.monotonic() < deadline:
+                time.sleep(0.02)
+        else:
+            for line in proc.stdout:
+                if until in line:
+                    break
         workers = psutil.Process(proc.pid).children(recursive=True)
         os.killpg(proc.pid, signal.SIGINT)  # what a terminal sends on Ctrl-C
         _, err = proc.communicate(timeout=60)

@@ -237,7 +237,10 @@ def _worker(rank: int, world_size: int, port: int, conn: Connection, path: List[
             collective_timeout_s: float, device_type: Optional[str], group: int) -> None:
     global _DEVICE
     sys.path[:] = path
-    os.setpgid(0, group)  # the pool's process group: whatever this rank starts is in it too
+    try:
+        os.setpgid(0, group)  # the pool's process group: whatever this rank starts is in it too
+    except PermissionError:  # the group is gone: the launcher closed the pool while this rank was born
+        os._exit(1)
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -280,8 +283,10 @@ def _worker(rank: int, world_size: int, port: int, conn: Connection, path: List[
 
 
 # What every rank imports: loaded once by the fork server, so that a worker starts as a fork
-# of it in a fraction of a second instead of importing torch and megatron-core on its own.
-_PRELOAD = ["torch", "torch.distributed", "megatron.core.parallel_state", "megatron.core.models.gpt"]
+# of it in a fraction of a second instead of importing torch and megatron-core on its own;
+# fork_server first, which takes the server out of the terminal's reach.
+_PRELOAD = ["megatron_tsp.run.fork_server", "torch", "torch.distributed", "megatron.core.parallel_state",
+            "megatron.core.models.gpt"]
 
 
 def _context():
