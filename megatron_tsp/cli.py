@@ -238,6 +238,8 @@ def _memory_parser(sub, common) -> None:
     p.add_argument("--plot", help="write a stacked bar chart (PNG) here")
     p.add_argument("--per-layer", action="store_true",
                    help="list every tensor layer 0 keeps for backward, and the analytic formula")
+    p.add_argument("--largest", type=NON_NEGATIVE_INT, default=0, metavar="N",
+                   help="list the N largest storages alive at each mode's peak (what sets it)")
     _fused_norm_flag(p)
     _config_flags(p, ["num_layers", "seq_length", "max_position_embeddings", "micro_batch_size",
                       "recompute_granularity"])
@@ -252,8 +254,11 @@ def _cmd_memory(ns: argparse.Namespace) -> int:
     if ns.plot:
         figures.pyplot("--plot")
     result = memory.plan_modes(ns.config, ns.modes, world_size=ns.world_size, cp=ns.cp,
-                               overrides=config.overrides(ns), per_layer=ns.per_layer, fused_norm=ns.fused_norm)
+                               overrides=config.overrides(ns), per_layer=ns.per_layer, fused_norm=ns.fused_norm,
+                               largest=ns.largest)
     print(memory.table(result))
+    if ns.largest:
+        print(memory.largest_table(result))
     if ns.per_layer:
         print(memory.per_layer_table(result))
     if ns.json:
@@ -474,7 +479,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     from megatron_tsp.run.launch import PoolTimeout, RankError, Terminated, raise_terminated, under_torchrun
 
     where = f"rank {os.environ['RANK']}: " if under_torchrun() else ""
-    signal.signal(signal.SIGTERM, raise_terminated)  # train's --exit-signal-handler replaces it
+    # SIGTERM ends a command as Ctrl-C does (train's --exit-signal-handler replaces it); the
+    # caller's handler is back afterwards (main also runs inside other programs, the tests)
+    previous = signal.signal(signal.SIGTERM, raise_terminated)
     try:
         return args.func(args)
     except KeyboardInterrupt:
@@ -502,6 +509,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"megatron-tsp {args.command}: internal error: {where}{type(exc).__name__}: {first} "
               "(run again with --debug for the traceback)", file=sys.stderr)
         return 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -313,10 +313,12 @@ def test_sigterm_with_the_exit_signal_handler_saves_and_resumes_exactly(ranks, t
             f"checkpoint saved in {save}; resume with --load {save}") in out, out
     assert left_behind(session=proc.pid) == []
     assert not os.path.exists(os.path.join(save, checkpointing.SaveLock.NAME))
-    ranks(2, _train_logged, dict(LONG, load=save), str(tmp_path / "resumed.jsonl"))
-    ranks(2, _train_logged, LONG, str(tmp_path / "uninterrupted.jsonl"))
+    # two iterations on from the checkpoint, on the same 100-iteration schedule (--exit-interval)
+    until = stopped + 2
+    ranks(2, _train_logged, dict(LONG, load=save, exit_interval=until), str(tmp_path / "resumed.jsonl"))
+    ranks(2, _train_logged, dict(LONG, exit_interval=until), str(tmp_path / "uninterrupted.jsonl"))
     resumed, full = _losses(tmp_path / "resumed.jsonl"), _losses(tmp_path / "uninterrupted.jsonl")
-    assert sorted(resumed) == list(range(stopped + 1, 101))
+    assert sorted(resumed) == [stopped + 1, until] and sorted(full) == list(range(1, until + 1))
     assert all(resumed[i] == full[i] for i in resumed)
 
 

@@ -43,9 +43,12 @@ def test_planner_matches_a_real_step(ranks, mode):
 def test_categories_add_up_and_long_context_favours_tsp():
     values = _values(seq_length=2048, max_position_embeddings=2048, num_layers=2,
                      recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-    result = {m: memory.plan(values, m) for m in ("tsp", "tp-sp")}
+    result = {m: memory.plan(values, m, largest=4) for m in ("tsp", "tp-sp")}
     for r in result.values():
         assert abs(sum(r["by_category_gib"].values()) - r["peak_gib"]) < 1e-9
+        largest = [row["gib"] for row in r["largest_at_peak"]]  # memory --largest: what sets the peak
+        assert len(largest) == 4 and largest == sorted(largest, reverse=True) and sum(largest) <= r["peak_gib"]
+        assert all(row["category"] in memory.CATEGORIES for row in r["largest_at_peak"])
     # weights and optimizer state are sharded alike; activations are where TSP saves
     assert result["tsp"]["by_category_gib"]["parameters"] == result["tp-sp"]["by_category_gib"]["parameters"]
     assert result["tsp"]["peak_gib"] < result["tp-sp"]["peak_gib"]

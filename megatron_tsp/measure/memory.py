@@ -182,10 +182,11 @@ def _optimizer_tensors(optimizer) -> List[torch.Tensor]:
 
 def plan(values: Dict, mode: str, world_size: Optional[int] = None, cp: int = DEFAULT_CP,
          attention_backend: str = "auto", per_layer: bool = False, device: Device = CPU,
-         fused_norm: bool = True) -> Dict:
+         fused_norm: bool = True, largest: int = 0) -> Dict:
     """Peak memory by category, FLOPs and communication of one training step of rank 0 of a
     ``world_size`` job (default: one replica), at full size, under FakeTensorMode; with
-    ``per_layer``, also every tensor the first layer keeps for backward (``saved_per_layer``).
+    ``per_layer``, also every tensor the first layer keeps for backward (``saved_per_layer``);
+    with ``largest``, the ``largest`` biggest storages alive at the peak (``largest_at_peak``).
 
     ``device``: where the fake tensors live. The CPU plans the same step anywhere; ``cuda``
     runs the GPU code path (GPU initialisation, GPU attention kernels through their meta
@@ -197,8 +198,8 @@ def plan(values: Dict, mode: str, world_size: Optional[int] = None, cp: int = DE
     args = mode.args(dict(values, use_cpu_initialization=False), cp)
     world_size = cfg.sizes(args, world_size).world_size
     with fake_world(world_size), counts.devices_checked(device.torch):
-        return _run(args, mode, world_size, StorageTracker(fake_scalars=True), attention_backend, device,
-                    fake=True, per_layer=per_layer, fused_norm=fused_norm)
+        return _run(args, mode, world_size, StorageTracker(fake_scalars=True, detail=largest), attention_backend,
+                    device, fake=True, per_layer=per_layer, fused_norm=fused_norm)
 
 
 def measure(values: Dict, mode: str, device: Device, cp: int = DEFAULT_CP, attention_backend: str = "auto") -> Dict:
@@ -221,6 +222,9 @@ def _run(args, mode: Mode, world_size: int, tracker: StorageTracker, attention_b
     finally:
         destroy_model_parallel()
     extra = {"saved_per_layer": saved.layer()} if saved else {}
+    if tracker.detail:
+        extra["largest_at_peak"] = [{"gib": gib, "category": category, "made_by": op}
+                                    for gib, category, op in tracker.peak_largest]
     return {**extra,
         "parallel": dict(cfg.sizes(args, world_size).as_dict(), sequence_parallel=args.sequence_parallel),
         "peak_gib": tracker.peak / GIB,
@@ -285,11 +289,13 @@ def _step(args, mode: Mode, tracker, attention_backend, device: Device, fake: bo
 
 
 def plan_modes(config_path: str, modes: List[str], world_size: Optional[int] = None, cp: int = DEFAULT_CP,
-               overrides: Optional[Dict] = None, per_layer: bool = False, fused_norm: bool = True) -> Dict:
+               overrides: Optional[Dict] = None, per_layer: bool = False, fused_norm: bool = True,
+               largest: int = 0) -> Dict:
     values = cfg.load_config(config_path)
     values.update(overrides or {})
     check_layouts(values, modes, world_size, cp, "--world-size")  # before the first (slow) plan
-    results = {name: plan(copy.deepcopy(values), name, world_size, cp, per_layer=per_layer, fused_norm=fused_norm)
+    results = {name: plan(copy.deepcopy(values), name, world_size, cp, per_layer=per_layer, fused_norm=fused_norm,
+                          largest=largest)
                for name in modes}
     if per_layer:
         for name, r in results.items():
@@ -311,6 +317,16 @@ def table(result: Dict) -> str:
                   + (" sp" if p["sequence_parallel"] else ""))
         cats = " | ".join(f"{r['by_category_gib'][c]:.2f}" for c in CATEGORIES)
         lines.append(f"| {mode} | {layout} | {r['peak_gib']:.2f} | {cats} | {r['flops_per_rank'] / 1e12:.1f} |")
+    return "\n".join(lines)
+
+
+def largest_table(result: Dict) -> str:
+    """The biggest storages alive at each mode's peak: what to look at when a peak surprises."""
+    lines = []
+    for mode, r in result["modes"].items():
+        lines += [f"\n{mode}: the largest storages alive at the peak ({r['peak_at']}) on rank 0",
+                  "| MiB | category | made by |", "|---|---|---|"]
+        lines += [f"| {row['gib'] * 1024:.1f} | {row['category']} | {row['made_by']} |" for row in r["largest_at_peak"]]
     return "\n".join(lines)
 
 
