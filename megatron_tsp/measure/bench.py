@@ -163,8 +163,9 @@ def table(result: Dict) -> str:
             lines.append(f"| {seq} | {mode} | {1e3 * r['step_s_median']:.1f} | {1e3 * r['step_s_min']:.1f}-"
                          f"{1e3 * r['step_s_max']:.1f} | {vs} | {r['first_step_loss']:.6f} | "
                          f"{r['bytes_received_per_step'] / 2**20:.2f} | {r['peak_gib'] * 1024:.1f} |")
-    lines.append(f"\nTSP at least as fast as TP+SP from S = {result['crossover_seq_length']} on "
-                 "(None: not at the longest length measured)")
+    crossover = result["crossover_seq_length"]
+    lines.append(f"\nTSP at least as fast as TP+SP (median) from S = {crossover} on" if crossover is not None
+                 else "\nTSP slower than TP+SP (median) at the longest length measured")
     return "\n".join(lines)
 
 
