@@ -181,7 +181,10 @@ def _train_rank(args, log_path, collective_timeout_min):
 
 
 def _cmd_train(ns: argparse.Namespace) -> int:
-    from megatron_tsp.run import checkpointing, config, data, launch, preflight
+    from megatron_tsp.run import launch
+
+    launch.start_importing()
+    from megatron_tsp.run import checkpointing, config, data, preflight
 
     path, _, args = _resolve(ns)
     log_path = ns.log_json or os.path.join("runs", os.path.splitext(os.path.basename(path))[0], "log.jsonl")
@@ -355,8 +358,11 @@ def _bench_parser(sub, common) -> None:
 
 
 def _cmd_bench(ns: argparse.Namespace) -> int:
+    from megatron_tsp.run import launch
+
+    launch.start_importing()
     from megatron_tsp.measure import bench, figures
-    from megatron_tsp.run import config, launch, preflight
+    from megatron_tsp.run import config, preflight
 
     path = ns.config or os.path.join(CONFIGS, "bench-cpu.yaml")
     world = int(os.environ["WORLD_SIZE"]) if launch.under_torchrun() else ns.nproc
