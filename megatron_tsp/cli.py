@@ -281,6 +281,7 @@ def _predict_parser(sub, common) -> None:
     p.add_argument("--sweep", type=_int_list, default=None,
                    help="comma-separated sequence lengths for the TSP / TP+SP crossover")
     p.add_argument("--json", help="write the results here")
+    p.add_argument("--link", default=None, help="a calibrated link of a CPU profile (megatron-tsp calibrate), by name")
     _config_flags(p, ["micro_batch_size", "recompute_granularity"])
     p.set_defaults(func=_cmd_predict)
 
@@ -291,6 +292,8 @@ def _cmd_predict(ns: argparse.Namespace) -> int:
 
     _check_outputs(json=ns.json)
     hw = perfmodel.load_hardware(ns.hardware)
+    if ns.link:
+        hw = hw.at_link(ns.link)
     result = perfmodel.predict(ns.config, hw, ns.nodes, ns.modes, ns.cp, ns.sweep, config.overrides(ns),
                                fused_norm=ns.fused_norm)
     print(perfmodel.table(result))
@@ -337,12 +340,30 @@ def _cmd_plan(ns: argparse.Namespace) -> int:
     return 0
 
 
-# ---- bench --------------------------------------------------------------------------------------
+# ---- bench and calibrate -------------------------------------------------------------------------
+def _link_rates(text: str) -> list:
+    from megatron_tsp.measure.link import parse_rates
+
+    try:
+        return parse_rates(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _link_flags(p, required: bool) -> None:
+    p.add_argument("--link", type=_link_rates, default=None, required=required,
+                   help="comma-separated link rates per rank: MB/s, 'none' (unthrottled), or the compute-to-bandwidth "
+                        "ratio of h100-nvlink, h200-nvlink, mi300x-xgmi or ib-400g on this CPU; the ranks run in a "
+                        "private network namespace whose loopback is rate-limited (root or a user namespace)")
+    p.add_argument("--nproc", type=POSITIVE_INT, default=2, help="ranks to start without torchrun")
+
+
 def _bench_parser(sub, common) -> None:
     p = sub.add_parser(
         "bench", parents=[common], help="time TSP, TP+SP and TP x CP training steps side by side on this machine",
         description="Interleaved blocks of timed training steps of every mode on the same ranks; "
-                    "writes JSON, a markdown table and a PNG.")
+                    "writes JSON, a markdown table and a PNG. With --link: at each link rate, beside "
+                    "the performance model's prediction from a CPU profile calibrated in the same run.")
     p.add_argument("config", nargs="?", help="YAML config (default: configs/bench-cpu.yaml)")
     p.add_argument("--seq", type=_int_list, default="256,1024,4096", help="comma-separated sequence lengths")
     p.add_argument("--modes", type=_name_list, default="tsp,tsp-no-overlap,tp-sp,tp-sp-ring,tp-cp",
@@ -350,31 +371,99 @@ def _bench_parser(sub, common) -> None:
     p.add_argument("--repeats", type=POSITIVE_INT, default=3, help="interleaved blocks per mode")
     p.add_argument("--steps", type=POSITIVE_INT, default=3, help="timed steps per block")
     p.add_argument("--warmup", type=NON_NEGATIVE_INT, default=1, help="untimed steps per block")
-    p.add_argument("--nproc", type=POSITIVE_INT, default=2, help="ranks to start without torchrun")
+    _link_flags(p, required=False)
     p.add_argument("--timeout-s", type=POSITIVE_FLOAT, default=1800.0, help="deadline of one block")
     p.add_argument("--out", default="bench/results", help="output folder")
     p.add_argument("--name", default="bench-cpu", help="file stem of the results")
     p.set_defaults(func=_cmd_bench)
 
 
+@contextlib.contextmanager
+def _on_link(ns: argparse.Namespace, world: int):
+    """The private, rate-limited network namespace of ``--link`` (nothing without it), entered
+    before the ranks' fork server starts, so that the ranks live in it."""
+    from megatron_tsp.run import launch
+
+    if ns.link is None:
+        launch.start_importing()
+        yield None
+        return
+    if launch.under_torchrun():
+        raise ConfigError("--link limits the local ranks' loopback; it does not apply under torchrun (drop --link)")
+    from megatron_tsp.measure.link import Link
+
+    # c10d cannot name a loopback peer in the new namespace and warns on every connection
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    with Link(world) as link:
+        launch.start_importing()
+        yield link
+
+
 def _cmd_bench(ns: argparse.Namespace) -> int:
     from megatron_tsp.run import launch
 
-    launch.start_importing()
-    from megatron_tsp.measure import bench, figures
-    from megatron_tsp.run import config, preflight
-
-    path = ns.config or os.path.join(CONFIGS, "bench-cpu.yaml")
     world = int(os.environ["WORLD_SIZE"]) if launch.under_torchrun() else ns.nproc
-    bench.check_setup(config.load_config(path), ns.seq, ns.modes, world)  # before any rank starts
-    figures.pyplot("bench")
-    preflight.check_writable_dir(ns.out, "--out")
-    with launch.job(ns.nproc, timeout_s=ns.timeout_s) as job:
-        result = bench.run(path, ns.seq, ns.modes, ns.repeats, ns.steps, ns.warmup, job.run, job.world_size)
-        if job.rank != 0:
-            return 0
+    with _on_link(ns, world) as link:
+        from megatron_tsp.measure import bench, figures
+        from megatron_tsp.run import config, preflight
+
+        path = ns.config or os.path.join(CONFIGS, "bench-cpu.yaml")
+        bench.check_setup(config.load_config(path), ns.seq, ns.modes, world)  # before any rank starts
+        figures.pyplot("bench")
+        preflight.check_writable_dir(ns.out, "--out")
+        with launch.job(ns.nproc, timeout_s=ns.timeout_s) as job:
+            result = bench.run(path, ns.seq, ns.modes, ns.repeats, ns.steps, ns.warmup, job.run, job.world_size,
+                               link, ns.link, os.path.join(CONFIGS, "hardware"))
+            if job.rank != 0:
+                return 0
     print(bench.table(result))
     print("wrote", ", ".join(bench.write(result, ns.out, ns.name)))
+    return 0
+
+
+def _calibrate_parser(sub, common) -> None:
+    p = sub.add_parser(
+        "calibrate", parents=[common], help="measure this CPU's hardware profile for predict (FLOP/s, link rates)",
+        description="On the local ranks at once: matmul and attention FLOP/s at the config's shapes, and "
+                    "the all-gather bandwidth and latency at each --link rate. Writes a hardware profile "
+                    "that predict and plan read (predict --link NAME picks a calibrated link).")
+    p.add_argument("config", nargs="?", help="YAML config whose shapes to measure (default: configs/bench-cpu.yaml)")
+    p.add_argument("--seq", type=_int_list, default="2048,4096,8192", help="comma-separated sequence lengths")
+    _link_flags(p, required=False)
+    p.add_argument("--out", default=None, help="profile to write (default: configs/hardware/cpu-<host>.yaml)")
+    p.set_defaults(func=_cmd_calibrate)
+
+
+def _cmd_calibrate(ns: argparse.Namespace) -> int:
+    import platform
+
+    import yaml
+
+    from megatron_tsp.run import launch
+
+    if launch.under_torchrun():
+        raise ConfigError("calibrate measures the local CPU ranks; run it without torchrun")
+    out = ns.out or os.path.join(CONFIGS, "hardware", f"cpu-{platform.node() or 'host'}.yaml")
+    ns.link = ns.link or ["none"]
+    with _on_link(ns, ns.nproc) as link:
+        from megatron_tsp.env import run_record
+        from megatron_tsp.measure import bench, calibrate
+        from megatron_tsp.run import config
+
+        path = ns.config or os.path.join(CONFIGS, "bench-cpu.yaml")
+        values = config.load_config(path)
+        bench.check_setup(values, ns.seq, ["tsp"], ns.nproc)  # a rank's heads and tokens divide evenly
+        with launch.job(ns.nproc) as job:
+            profile = calibrate.profile(values, ns.seq, job.run, link, ns.link, os.path.join(CONFIGS, "hardware"))
+    profile["measured"]["setup"] = run_record(config=path, ranks=ns.nproc)
+    profile = json.loads(json.dumps(profile, default=str))  # plain types for YAML (versions are str subclasses)
+    _write(out, f"# megatron-tsp calibrate {' '.join(sys.argv[2:])}\n" + yaml.safe_dump(profile, sort_keys=False),
+           "--out")
+    print(f"{profile['name']}: matmul {profile['peak_tflops'] * 1e3:.1f} GFLOP/s per rank, attention "
+          f"{profile['attention_efficiency']:.2f} of it")
+    for name, cal in profile["links"].items():
+        print(f"  link {name}: {cal['gbs'] * 1e3:.1f} MB/s received per rank, {cal['latency_us']:.0f} us per call")
+    print("wrote", out)
     return 0
 
 
@@ -443,7 +532,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 COMMANDS = (_env_parser, _args_parser, _train_parser, _memory_parser, _predict_parser, _plan_parser, _bench_parser,
-            _gpu_check_parser, _compare_parser)
+            _calibrate_parser, _gpu_check_parser, _compare_parser)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -26,6 +26,7 @@ from typing import Dict, List, Optional
 
 import torch.distributed as dist
 
+from megatron_tsp.core.sizes import DEFAULT_CP
 from megatron_tsp.env import run_record
 from megatron_tsp.errors import UserError
 from megatron_tsp.measure import counts, figures, memory
@@ -98,13 +99,10 @@ def check_setup(values: Dict, seqs: List[int], modes: List[str], nproc: int) -> 
             cfg.sizes(_args(values, name, seq), nproc, "--nproc")
 
 
-def run(config_path: str, seqs: List[int], modes: List[str], repeats: int, steps: int, warmup: int,
-        runner, nproc: int) -> Dict:
-    """``runner(fn, *args)`` runs ``fn`` on every rank and returns the per-rank results. The
-    caller checks the setup first (:func:`check_setup`, before it starts any rank)."""
-    values = cfg.load_config(config_path)
-    result = {"setup": run_record(config=config_path, ranks=nproc), "repeats": repeats, "steps": steps,
-              "warmup": warmup, "results": {}}
+def _grid(values: Dict, seqs: List[int], modes: List[str], repeats: int, steps: int, warmup: int, runner,
+          peak_memory: bool) -> Dict:
+    """Interleaved blocks of every mode at every S: ``{seq: {mode: entry}}``."""
+    results = {}
     for seq in seqs:
         blocks = {mode: [] for mode in modes}
         first_losses = {mode: [] for mode in modes}
@@ -122,8 +120,9 @@ def run(config_path: str, seqs: List[int], modes: List[str], repeats: int, steps
             entry[mode] = {"step_s_median": statistics.median(meds), "step_s_min": min(meds),
                            "step_s_max": max(meds), "block_medians": meds,
                            "first_step_loss": first_losses[mode][0],
-                           "bytes_received_per_step": bytes_moved[mode],
-                           "peak_gib": runner(_memory, values, mode, seq)[0]}
+                           "bytes_received_per_step": bytes_moved[mode]}
+            if peak_memory:
+                entry[mode]["peak_gib"] = runner(_memory, values, mode, seq)[0]
         for base in ("tp-sp", "tp-cp"):
             if base in entry:
                 for mode in modes:
@@ -131,9 +130,62 @@ def run(config_path: str, seqs: List[int], modes: List[str], repeats: int, steps
                                                                    / entry[base]["step_s_median"])
         if "tsp" in entry and "tsp-no-overlap" in entry:
             entry["tsp"]["hidden_comm_s"] = entry["tsp-no-overlap"]["step_s_median"] - entry["tsp"]["step_s_median"]
-        result["results"][seq] = entry
-    result["crossover_seq_length"] = crossover(result["results"])
+        results[seq] = entry
+    return results
+
+
+def run(config_path: str, seqs: List[int], modes: List[str], repeats: int, steps: int, warmup: int,
+        runner, nproc: int, link=None, rates: Optional[List] = None, hardware_dir: Optional[str] = None) -> Dict:
+    """``runner(fn, *args)`` runs ``fn`` on every rank and returns the per-rank results. The
+    caller checks the setup first (:func:`check_setup`, before it starts any rank).
+
+    With ``link`` (:class:`megatron_tsp.measure.link.Link`, the ranks inside it) and
+    ``rates``: the CPU is calibrated first (:func:`megatron_tsp.measure.calibrate.profile`,
+    every rate included), then the grid runs at every rate, and each measured step is set
+    beside the performance model's prediction from that profile (:func:`predicted`)."""
+    values = cfg.load_config(config_path)
+    result = {"setup": run_record(config=config_path, ranks=nproc), "repeats": repeats, "steps": steps,
+              "warmup": warmup}
+    if link is None:
+        result["results"] = _grid(values, seqs, modes, repeats, steps, warmup, runner, peak_memory=True)
+        result["crossover_seq_length"] = crossover(result["results"])
+        return result
+    from megatron_tsp.measure import calibrate
+
+    result["link"] = link.describe()
+    result["profile"] = profile = calibrate.profile(values, seqs, runner, link, rates, hardware_dir)
+    result["links"] = {}
+    for i, (name, calibrated) in enumerate(profile["links"].items()):
+        link.set(calibrated["rate_mb_s_per_rank"])
+        results = _grid(values, seqs, modes, repeats, steps, warmup, runner, peak_memory=i == 0)
+        predicted(results, values, profile, name, nproc)
+        result["links"][name] = {"rate_mb_s_per_rank": calibrated["rate_mb_s_per_rank"],
+                                 "achieved_gbs": calibrated["gbs"], "results": results,
+                                 "crossover_seq_length": crossover(results)}
+    link.set(None)
     return result
+
+
+# the benchmark's ranks have no TransformerEngine: its baselines expose their tensor-parallel traffic
+SCENARIO = "no_tp_overlap"
+
+
+def predicted(results: Dict, values: Dict, profile: Dict, link_name: str, nproc: int) -> None:
+    """Add the performance model's step time (:data:`SCENARIO`, the profile at ``link_name``)
+    and its relative error to every measured entry, and the predicted ratios to TP+SP."""
+    from megatron_tsp.measure import perfmodel
+
+    hw = perfmodel.Hardware(**profile).at_link(link_name)
+    for seq, entry in results.items():
+        for mode, r in entry.items():
+            model = perfmodel.evaluate(at_seq_length(values, int(seq)), mode, hw, nproc, DEFAULT_CP, brief=True)
+            t = model[SCENARIO]
+            r["predicted_step_s"] = t["step_s"]
+            r["predicted_compute_s"] = t["compute_s"]
+            r["model_error"] = t["step_s"] / r["step_s_median"] - 1
+        if "tp-sp" in entry:
+            for r in entry.values():
+                r["predicted_vs_tp_sp"] = r["predicted_step_s"] / entry["tp-sp"]["predicted_step_s"]
 
 
 def crossover(results: Dict) -> Optional[int]:
@@ -148,12 +200,23 @@ def crossover(results: Dict) -> Optional[int]:
     return found
 
 
-def table(result: Dict) -> str:
+def _header(result: Dict) -> str:
     s = result["setup"]
-    lines = [f"Benchmark {s['date']}: {s['config']}, {s['ranks']} rank(s) on {s['device']} ({s['backend']}), "
-             f"torch {s['torch']}, megatron-core {s['megatron-core']}, commit {str(s['commit'])[:10]}; "
-             f"{result['repeats']} interleaved blocks of {result['steps']} steps (after the first step, "
-             f"{result['warmup']} warm-up and 1 counted step)",
+    return (f"Benchmark {s['date']}: {s['config']}, {s['ranks']} rank(s) on {s['device']} ({s['backend']}), "
+            f"torch {s['torch']}, megatron-core {s['megatron-core']}, commit {str(s['commit'])[:10]}; "
+            f"{result['repeats']} interleaved blocks of {result['steps']} steps (after the first step, "
+            f"{result['warmup']} warm-up and 1 counted step)")
+
+
+def _crossover_line(crossover: Optional[int]) -> str:
+    return (f"TSP at least as fast as TP+SP (median) from S = {crossover} on" if crossover is not None
+            else "TSP slower than TP+SP (median) at the longest length measured")
+
+
+def table(result: Dict) -> str:
+    if "links" in result:
+        return link_table(result)
+    lines = [_header(result),
              "", "| S | mode | step ms (median) | min-max of block medians | vs TP+SP | vs TP x CP | "
              "step-1 loss | MiB received/step | peak MiB |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -163,13 +226,39 @@ def table(result: Dict) -> str:
             lines.append(f"| {seq} | {mode} | {1e3 * r['step_s_median']:.1f} | {1e3 * r['step_s_min']:.1f}-"
                          f"{1e3 * r['step_s_max']:.1f} | {vs} | {r['first_step_loss']:.6f} | "
                          f"{r['bytes_received_per_step'] / 2**20:.2f} | {r['peak_gib'] * 1024:.1f} |")
-    crossover = result["crossover_seq_length"]
-    lines.append(f"\nTSP at least as fast as TP+SP (median) from S = {crossover} on" if crossover is not None
-                 else "\nTSP slower than TP+SP (median) at the longest length measured")
+    lines.append("\n" + _crossover_line(result["crossover_seq_length"]))
+    return "\n".join(lines)
+
+
+def link_table(result: Dict) -> str:
+    p = result["profile"]
+    lines = [_header(result), "",
+             f"Link: {result['link']['topology']}. CPU profile (measured in this run): matmul "
+             f"{p['peak_tflops'] * 1e3:.1f} GFLOP/s per rank, attention {p['attention_efficiency']:.2f} of it; "
+             f"model scenario {SCENARIO}.", "",
+             "| link | set MB/s per rank | achieved | S | mode | step ms (median) | min-max | predicted ms | "
+             "model error | vs TP+SP | predicted vs TP+SP | step-1 loss | MiB received/step |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, at in result["links"].items():
+        for seq, entry in at["results"].items():
+            for mode, r in entry.items():
+                vs = f"{r['vs_tp_sp']:.2f}x" if "vs_tp_sp" in r else "-"
+                pvs = f"{r['predicted_vs_tp_sp']:.2f}x" if "predicted_vs_tp_sp" in r else "-"
+                rate = "-" if at["rate_mb_s_per_rank"] is None else f"{at['rate_mb_s_per_rank']:.3g}"
+                lines.append(f"| {name} | {rate} | {at['achieved_gbs'] * 1e3:.1f} | {seq} | {mode} | "
+                             f"{1e3 * r['step_s_median']:.1f} | "
+                             f"{1e3 * r['step_s_min']:.1f}-{1e3 * r['step_s_max']:.1f} | "
+                             f"{1e3 * r['predicted_step_s']:.1f} | {r['model_error']:+.0%} | {vs} | {pvs} | "
+                             f"{r['first_step_loss']:.6f} | {r['bytes_received_per_step'] / 2**20:.2f} |")
+    lines.append("")
+    for name, at in result["links"].items():
+        lines.append(f"{name}: " + _crossover_line(at["crossover_seq_length"]))
     return "\n".join(lines)
 
 
 def plot(result: Dict, path: str) -> None:
+    if "links" in result:
+        return link_plot(result, path)
     plt = figures.pyplot("bench")
 
     seqs = [int(s) for s in result["results"]]
@@ -191,6 +280,52 @@ def plot(result: Dict, path: str) -> None:
     ax2.axhline(1.0, color="grey", lw=0.8)
     ax2.set_ylabel("step time / TP+SP")
     fig.suptitle(f"{result['setup']['config']} on {result['setup']['ranks']} ranks ({result['setup']['device']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def link_plot(result: Dict, path: str) -> None:
+    """Left: TSP / TP+SP against the achieved link rate per S, measured (points, min-max of
+    block ratios) and predicted (lines). Right: every measured step against its prediction."""
+    plt = figures.pyplot("bench")
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.4))
+    links = sorted(result["links"].values(), key=lambda at: at["achieved_gbs"])
+    rates = [1e3 * at["achieved_gbs"] for at in links]
+    for i, seq in enumerate(links[0]["results"]):
+        color = f"C{i}"
+        at_seq = [at["results"][seq] for at in links]
+        if not all("tsp" in e and "tp-sp" in e for e in at_seq):
+            continue
+        ratio = [e["tsp"]["vs_tp_sp"] for e in at_seq]
+        spread = [[r - min(a / b for a, b in zip(e["tsp"]["block_medians"], e["tp-sp"]["block_medians"])) for r, e in
+                   zip(ratio, at_seq)],
+                  [max(a / b for a, b in zip(e["tsp"]["block_medians"], e["tp-sp"]["block_medians"])) - r for r, e in
+                   zip(ratio, at_seq)]]
+        ax1.errorbar(rates, ratio, yerr=[[max(0, x) for x in spread[0]], [max(0, x) for x in spread[1]]], fmt="o",
+                     color=color, capsize=3, label=f"S={seq} measured")
+        ax1.plot(rates, [e["tsp"]["predicted_vs_tp_sp"] for e in at_seq], "-", color=color, label=f"S={seq} model")
+    ax1.axhline(1.0, color="grey", lw=0.8)
+    ax1.set_xscale("log")
+    ax1.set_xlabel("achieved link rate per rank (MB/s, all-gather)")
+    ax1.set_ylabel("TSP step time / TP+SP")
+    ax1.legend(fontsize=7)
+    measured, model = [], []
+    for at in links:
+        for entry in at["results"].values():
+            for r in entry.values():
+                measured.append(1e3 * r["step_s_median"])
+                model.append(1e3 * r["predicted_step_s"])
+    ax2.scatter(model, measured, s=12)
+    lo, hi = min(measured + model), max(measured + model)
+    ax2.plot([lo, hi], [lo, hi], color="grey", lw=0.8)
+    ax2.fill_between([lo, hi], [0.8 * lo, 0.8 * hi], [1.2 * lo, 1.2 * hi], color="grey", alpha=0.15, label="+-20%")
+    ax2.set_xscale("log")
+    ax2.set_yscale("log")
+    ax2.set_xlabel("predicted step (ms)")
+    ax2.set_ylabel("measured step (ms)")
+    ax2.legend(fontsize=7)
+    fig.suptitle(f"{result['setup']['config']} on {result['setup']['ranks']} ranks, rate-limited link")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

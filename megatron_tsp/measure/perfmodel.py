@@ -31,6 +31,7 @@ Memory-bound elementwise work and the optimizer step are not modelled.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Dict, List, Optional
@@ -67,9 +68,23 @@ class Hardware:
     inter_node_gbs: float
     intra_node_latency_us: float
     inter_node_latency_us: float
+    # a measured profile (`megatron-tsp calibrate`): link name -> {gbs, latency_us, ...}, and
+    # what was measured
+    links: Optional[Dict] = None
+    measured: Optional[Dict] = None
+
+    def at_link(self, name: str) -> "Hardware":
+        """This profile with every link at the calibrated ``name`` (a rate-limited CPU link)."""
+        if not self.links or name not in self.links:
+            raise cfg.ConfigError(f"--link {name!r}: profile {self.name} has no such calibrated link; it has "
+                                  f"{', '.join(self.links or {}) or 'none'} (megatron-tsp calibrate --link ...)")
+        link = self.links[name]
+        return dataclasses.replace(self, intra_node_gbs=link["gbs"], inter_node_gbs=link["gbs"],
+                                   intra_node_latency_us=link["latency_us"], inter_node_latency_us=link["latency_us"])
 
 
-_HARDWARE_KEYS = tuple(Hardware.__dataclass_fields__)
+_OPTIONAL_KEYS = ("links", "measured")
+_HARDWARE_KEYS = tuple(k for k in Hardware.__dataclass_fields__ if k not in _OPTIONAL_KEYS)
 
 
 def load_hardware(path: str) -> Hardware:
@@ -79,12 +94,16 @@ def load_hardware(path: str) -> Hardware:
     if not isinstance(values, dict):
         raise cfg.ConfigError(f"{path}: a hardware profile is a mapping of {', '.join(_HARDWARE_KEYS)}")
     missing = [k for k in _HARDWARE_KEYS if k not in values]
-    unknown = [k for k in values if k not in _HARDWARE_KEYS]
+    unknown = [k for k in values if k not in _HARDWARE_KEYS + _OPTIONAL_KEYS]
     if missing or unknown:
         what = f"missing {', '.join(missing)}" if missing else f"unknown key(s) {', '.join(unknown)}"
         raise cfg.ConfigError(f"{path}: {what}; a hardware profile has the keys of configs/hardware/h100.yaml")
     for key, value in values.items():
         if key == "name":
+            continue
+        if key in _OPTIONAL_KEYS:
+            if not isinstance(value, dict):
+                raise cfg.ConfigError(f"{path}: '{key}' must be a mapping (megatron-tsp calibrate writes it)")
             continue
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
             raise cfg.ConfigError(f"{path}: '{key}' must be a positive number (got {value!r})")

@@ -1,0 +1,51 @@
+"""`--link`: the ranks in a private network namespace with a rate-limited loopback. The
+all-gather bandwidth the ranks achieve is the set rate, and nothing outlives the command."""
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+import yaml
+from conftest import ROOT, left_behind
+
+from megatron_tsp.measure.link import Link, LinkError
+
+RATE = 8.0  # MB/s per rank
+
+
+def _can_make_namespaces():
+    try:
+        with Link(2):
+            return None
+    except LinkError as exc:
+        return str(exc)
+
+
+WHY_NOT = _can_make_namespaces() if shutil.which("tc") else "no tc (iproute2)"
+
+
+@pytest.mark.skipif(WHY_NOT is not None, reason=f"no rate-limited link here: {WHY_NOT}")
+def test_two_ranks_all_gather_at_the_set_rate_and_leave_nothing(tmp_path):
+    out = tmp_path / "cpu.yaml"
+    proc = subprocess.Popen([sys.executable, "-m", "megatron_tsp.cli", "calibrate", "--seq", "256", "--link",
+                             f"none,{RATE:g}", "--out", str(out)], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    links = yaml.safe_load(out.read_text())["links"]
+    achieved = links[f"{RATE:g}"]["gbs"] * 1e3
+    assert abs(achieved - RATE) <= 0.25 * RATE, (achieved, RATE)
+    assert links["none"]["gbs"] * 1e3 > 4 * RATE  # the limit is what slowed it
+    # the namespace and its qdisc go with the last process in it: none is left
+    assert not left_behind(session=proc.pid)
+    assert "tbf" not in subprocess.run(["tc", "qdisc", "show", "dev", "lo"], capture_output=True, text=True).stdout
+
+
+def test_rates_are_checked():
+    from megatron_tsp.measure.link import parse_rates
+
+    assert parse_rates("none,h100-nvlink,2.5") == ["none", "h100-nvlink", 2.5]
+    for bad in ("0", "fast", "-1", ""):
+        with pytest.raises(ValueError):
+            parse_rates(bad)
