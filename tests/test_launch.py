@@ -57,6 +57,33 @@ def test_results_come_back_per_rank(ranks):
     assert ranks(4, _all_reduce_rank) == [(r, 6.0) for r in range(4)]
 
 
+def _gloo_threads():
+    return sum(open(f"/proc/self/task/{t}/comm").read().startswith("gloo")
+               for t in os.listdir("/proc/self/task"))
+
+
+def _build_a_tsp_model():
+    from megatron_tsp.device import CPU
+    from megatron_tsp.run import config
+    from megatron_tsp.run.build import build, initialize
+
+    args = config.resolve(dict(mock_data=True, vocab_size=64, num_layers=1, hidden_size=16, num_attention_heads=2,
+                               seq_length=8, attention_dropout=0.0, tsp_size=2, micro_batch_size=1))
+    initialize(args, CPU)
+    build(args, CPU)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_a_task_leaves_no_process_groups_behind(ranks):
+    """Each task's groups go with it: a gloo group keeps threads that wake every 10 ms, and the
+    tasks of a long-lived worker would pile them up (megatron builds dozens per job)."""
+    ranks(2, _build_a_tsp_model)
+    before = ranks(2, _gloo_threads)
+    for _ in range(2):
+        ranks(2, _build_a_tsp_model)
+    assert ranks(2, _gloo_threads) == before
+
+
 def test_failure_reports_the_rank_in_one_line_and_its_traceback():
     pool = WorkerPool(2, device_type="cpu")
     start = time.monotonic()

@@ -1,9 +1,12 @@
 """`--link`: the ranks in a private network namespace with a rate-limited loopback. The
 all-gather bandwidth the ranks achieve is the set rate, and nothing outlives the command."""
 
+import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import yaml
@@ -40,6 +43,44 @@ def test_two_ranks_all_gather_at_the_set_rate_and_leave_nothing(tmp_path):
     # the namespace and its qdisc go with the last process in it: none is left
     assert not left_behind(session=proc.pid)
     assert "tbf" not in subprocess.run(["tc", "qdisc", "show", "dev", "lo"], capture_output=True, text=True).stdout
+
+
+def _namespaces():
+    found = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            found.add(os.readlink(f"/proc/{pid}/ns/net"))
+        except OSError:
+            pass
+    return found
+
+
+@pytest.mark.skipif(WHY_NOT is not None or shutil.which("nsenter") is None,
+                    reason=f"no rate-limited link here: {WHY_NOT or 'no nsenter'}")
+def test_ctrl_c_while_the_link_is_limited_leaves_nothing(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "megatron_tsp.cli", "calibrate", "--seq", "64", "--link", "1",
+                             "--out", str(tmp_path / "cpu.yaml")], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        qdisc, deadline = "", time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:  # until the token bucket is on
+            namespace = os.readlink(f"/proc/{proc.pid}/ns/net")
+            qdisc = subprocess.run(["nsenter", f"--net=/proc/{proc.pid}/ns/net", "tc", "qdisc", "show", "dev", "lo"],
+                                   capture_output=True, text=True).stdout
+            if "tbf" in qdisc:
+                break
+            time.sleep(0.1)
+        assert "tbf" in qdisc and namespace != os.readlink("/proc/self/ns/net"), qdisc
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines() == ["megatron-tsp calibrate: interrupted"], err
+    assert not left_behind(session=proc.pid)
+    assert namespace not in _namespaces()  # it went with its last process, and its qdisc with it
 
 
 def test_rates_are_checked():

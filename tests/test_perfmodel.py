@@ -36,6 +36,13 @@ def test_overlap_hides_only_the_modes_overlappable_traffic():
     with_attention = dict(total, attention_flops=attention_s * HW.peak_tflops * 1e12 * HW.attention_efficiency)
     t = perfmodel.step_time(with_attention, HW, "tsp", "no_tp_overlap", world_size=8)
     assert abs(t["step_s"] - max(t["compute_s"], weights + min(kv, attention_s)) - max(0.0, kv - attention_s)) < 1e-9
+    # TP x CP's K/V exchange hides behind attention only with TransformerEngine's ring attention;
+    # without it (the baseline's all-gather before attending) it is exposed
+    cp = dict(with_attention, comm=_comm("cp", 30 * gb))
+    ring = perfmodel.step_time(cp, HW, "tp-cp", "overlap", world_size=8)
+    gathered = perfmodel.step_time(cp, HW, "tp-cp", "no_tp_overlap", world_size=8)
+    assert abs(ring["step_s"] - (ring["compute_s"] + max(0.0, kv - attention_s))) < 1e-9
+    assert abs(gathered["step_s"] - (gathered["compute_s"] + kv)) < 1e-9
 
 
 def test_layer_extrapolation_matches_a_full_plan():

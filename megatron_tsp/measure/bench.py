@@ -18,7 +18,9 @@ and to TP x CP, and the first sequence length at which TSP beats TP+SP.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 import statistics
 import time
@@ -163,6 +165,7 @@ def run(config_path: str, seqs: List[int], modes: List[str], repeats: int, steps
                                  "achieved_gbs": calibrated["gbs"], "results": results,
                                  "crossover_seq_length": crossover(results)}
     link.set(None)
+    result["crossover_rate"] = crossover_rates(result, values)
     return result
 
 
@@ -186,6 +189,63 @@ def predicted(results: Dict, values: Dict, profile: Dict, link_name: str, nproc:
         if "tp-sp" in entry:
             for r in entry.values():
                 r["predicted_vs_tp_sp"] = r["predicted_step_s"] / entry["tp-sp"]["predicted_step_s"]
+
+
+def model_ratio(values: Dict, profile: Dict, seq: int, nproc: int, mb_s: float) -> float:
+    """The model's TSP / TP+SP step time at ``seq`` with every link at ``mb_s`` MB/s per rank
+    (the unthrottled link's latency)."""
+    from megatron_tsp.measure import perfmodel
+
+    hw = perfmodel.Hardware(**profile)
+    hw = dataclasses.replace(hw, intra_node_gbs=mb_s / 1e3, inter_node_gbs=mb_s / 1e3)
+    values = at_seq_length(values, seq)
+    tsp, tp_sp = (perfmodel.evaluate(values, m, hw, nproc, DEFAULT_CP, brief=True)[SCENARIO]["step_s"]
+                  for m in ("tsp", "tp-sp"))
+    return tsp / tp_sp
+
+
+def model_crossover_rate(values: Dict, profile: Dict, seq: int, nproc: int, lo: float, hi: float) -> Optional[float]:
+    """The link rate (MB/s per rank) in [lo, hi] at which the model has TSP and TP+SP equally
+    fast at ``seq`` (bisection in log rate); None where one is faster throughout."""
+    f_lo, f_hi = (model_ratio(values, profile, seq, nproc, r) - 1 for r in (lo, hi))
+    if f_lo * f_hi > 0:
+        return None
+    for _ in range(30):
+        mid = math.sqrt(lo * hi)
+        f_mid = model_ratio(values, profile, seq, nproc, mid) - 1
+        lo, hi, f_lo = (lo, mid, f_lo) if f_lo * f_mid <= 0 else (mid, hi, f_mid)
+    return math.sqrt(lo * hi)
+
+
+def measured_crossover_rate(points: List) -> Optional[float]:
+    """Where the measured TSP / TP+SP ratio crosses 1 between two measured rates (``points``:
+    (achieved MB/s, ratio); log-linear between them); None if it does not."""
+    points = sorted(points)
+    for (r0, q0), (r1, q1) in zip(points, points[1:]):
+        if (q0 - 1) * (q1 - 1) <= 0 and q0 != q1:
+            return math.exp(math.log(r0) + (1 - q0) / (q1 - q0) * (math.log(r1) - math.log(r0)))
+    return None
+
+
+def crossover_rates(result: Dict, values: Dict) -> Dict:
+    """Per S: the link rate at which TSP and TP+SP are equally fast, measured and predicted
+    (searched from a tenth of the slowest link to ten times the fastest), and on which side
+    of it TSP is the faster one."""
+    links = [at for at in result["links"].values() if "tsp" in next(iter(at["results"].values()))]
+    rates = [1e3 * at["achieved_gbs"] for at in links]
+    out = {}
+    for seq in links[0]["results"] if links else []:
+        if not all("tp-sp" in at["results"][seq] for at in links):
+            continue
+        points = [(r, at["results"][seq]["tsp"]["vs_tp_sp"]) for r, at in zip(rates, links)]
+        lo, hi = min(rates) / 10, max(rates) * 10
+        curve = [[r, model_ratio(values, result["profile"], int(seq), result["setup"]["ranks"], r)]
+                 for r in (lo * (hi / lo) ** (i / 16) for i in range(17))]
+        out[seq] = {"measured_mb_s": measured_crossover_rate(points), "model_curve": curve,
+                    "predicted_mb_s": model_crossover_rate(values, result["profile"], int(seq),
+                                                           result["setup"]["ranks"], lo, hi),
+                    "tsp_faster_below": curve[0][1] < 1, "searched_mb_s": [lo, hi]}
+    return out
 
 
 def crossover(results: Dict) -> Optional[int]:
@@ -253,6 +313,13 @@ def link_table(result: Dict) -> str:
     lines.append("")
     for name, at in result["links"].items():
         lines.append(f"{name}: " + _crossover_line(at["crossover_seq_length"]))
+    for seq, c in result.get("crossover_rate", {}).items():
+        side = "below" if c["tsp_faster_below"] else "above"
+        found = [f"{what} {c[key]:.3g} MB/s" if c[key] is not None else f"{what}: none"
+                 for what, key in (("measured", "measured_mb_s"), ("model", "predicted_mb_s"))]
+        lines.append(f"S={seq}: TSP and TP+SP equally fast at a link of {', '.join(found)} per rank "
+                     f"(TSP faster {side} it; model searched {c['searched_mb_s'][0]:.3g}-"
+                     f"{c['searched_mb_s'][1]:.3g} MB/s)")
     return "\n".join(lines)
 
 
@@ -304,7 +371,9 @@ def link_plot(result: Dict, path: str) -> None:
                    zip(ratio, at_seq)]]
         ax1.errorbar(rates, ratio, yerr=[[max(0, x) for x in spread[0]], [max(0, x) for x in spread[1]]], fmt="o",
                      color=color, capsize=3, label=f"S={seq} measured")
-        ax1.plot(rates, [e["tsp"]["predicted_vs_tp_sp"] for e in at_seq], "-", color=color, label=f"S={seq} model")
+        curve = result.get("crossover_rate", {}).get(seq, {}).get("model_curve") or \
+            [[r, e["tsp"]["predicted_vs_tp_sp"]] for r, e in zip(rates, at_seq)]
+        ax1.plot(*zip(*curve), "-", color=color, label=f"S={seq} model")
     ax1.axhline(1.0, color="grey", lw=0.8)
     ax1.set_xscale("log")
     ax1.set_xlabel("achieved link rate per rank (MB/s, all-gather)")

@@ -10,6 +10,10 @@ benchmark's ranks use:
 * ``attention_efficiency``: the attention op's FLOP/s (forward and backward of
   :func:`block_attention` with a rank's heads at S, FLOPs counted by torch's formulas, as the
   memory planner counts them) over ``peak_tflops``;
+* ``hbm_gbs``: bytes read and written per second by an out-of-place elementwise product of
+  two [S, ffn/D] activations (a fresh output each time, as in the step: on a CPU the
+  allocator's page faults count, and small tensors stay in cache; the median over S). The
+  memory-bound ops of the step are priced with it;
 * per link rate (:class:`megatron_tsp.measure.link.Link`): the all-gather bytes each rank
   receives per second and the time per call, from two message sizes
   (``t = latency + bytes / bandwidth``): ``links`` in the profile, and the unthrottled one as
@@ -46,7 +50,8 @@ def _timed(fn, repeats: int) -> float:
 
 
 def rank_kernels(values: Dict, seqs: List[int], repeats: int = 5) -> Dict:
-    """On every rank at once: matmul and attention FLOP/s at the config's shapes per S."""
+    """On every rank at once: matmul and attention FLOP/s and elementwise bandwidth at the
+    config's shapes per S."""
     import torch
     import torch.distributed as dist
     from torch.utils.flop_counter import FlopCounterMode
@@ -70,8 +75,10 @@ def rank_kernels(values: Dict, seqs: List[int], repeats: int = 5) -> Dict:
 
         with FlopCounterMode(display=False) as counter:
             attention()
+        x, y = torch.randn(seq, ffn, generator=g), torch.randn(seq, ffn, generator=g)
         return {"matmul_flops": 2 * seq * h * ffn / _timed(lambda: a @ w, repeats),
-                "attention_flops": counter.get_total_flops() / _timed(attention, repeats)}
+                "attention_flops": counter.get_total_flops() / _timed(attention, repeats),
+                "elementwise_gbs": 3 * x.numel() * 4 / _timed(lambda: x * y, repeats) / 1e9}
 
     return {seq: at(seq) for seq in seqs}
 
@@ -99,15 +106,6 @@ def link_fit(runner, rate_mb_s: Optional[float], repeats: int = 3) -> Dict:
             "measured": {"bytes": [_SMALL, large], "seconds": [t_small, t_large]}}
 
 
-def rank_copy_gbs() -> float:
-    """Memory bandwidth of one rank (read + write of a 256 MiB copy), every rank at once."""
-    import torch
-
-    src = torch.ones(64 << 20)
-    dst = torch.empty_like(src)
-    return 2 * src.numel() * 4 / _timed(lambda: dst.copy_(src), 5) / 1e9
-
-
 def profile(values: Dict, seqs: List[int], runner, link, rates: List, hardware_dir: str) -> Dict:
     """The profile (the keys of :class:`perfmodel.Hardware` plus ``links`` and what was
     measured), measured through ``runner`` on ranks inside ``link`` (rates: MB/s per rank,
@@ -119,6 +117,7 @@ def profile(values: Dict, seqs: List[int], runner, link, rates: List, hardware_d
                for seq in seqs}
     matmul = statistics.median(p["matmul_flops"] for p in per_seq.values())
     attention = statistics.median(p["attention_flops"] for p in per_seq.values())
+    elementwise = statistics.median(p["elementwise_gbs"] for p in per_seq.values())
     links = {}
     for rate in rates:
         mb_s = None if rate == "none" else like_rate(rate, matmul, hardware_dir) if isinstance(rate, str) else rate
@@ -133,7 +132,7 @@ def profile(values: Dict, seqs: List[int], runner, link, rates: List, hardware_d
         memory_gib = 1.0
     return {"name": f"cpu-{platform.node() or 'host'}", "gpus_per_node": link.nproc,
             "memory_gib": round(memory_gib, 1), "peak_tflops": matmul / 1e12, "matmul_efficiency": 1.0,
-            "attention_efficiency": attention / matmul, "hbm_gbs": min(runner(rank_copy_gbs)),
+            "attention_efficiency": attention / matmul, "hbm_gbs": elementwise,
             "intra_node_gbs": free["gbs"], "inter_node_gbs": free["gbs"],
             "intra_node_latency_us": free["latency_us"], "inter_node_latency_us": free["latency_us"],
             "links": links, "measured": {"topology": link.describe()["topology"],

@@ -233,6 +233,7 @@ def _run(args, mode: Mode, world_size: int, tracker: StorageTracker, attention_b
         "static_gib": static / GIB,
         "flops_per_rank": flops["total"],
         "attention_flops_per_rank": flops["attention"],
+        "memory_bytes_per_rank": flops["memory_bytes"],
         "comm_bytes_received": counts.totals(records),
         "comm": counts.as_dict(records),
     }
@@ -279,12 +280,13 @@ def _step(args, mode: Mode, tracker, attention_backend, device: Device, fake: bo
         def receive(t):
             tracker.tag([t], "communication", only_from=("temporaries",))
 
-        flops_before, attention_before = tracker.flops, tracker.attention_flops
+        flops_before, attention_before, bytes_before = tracker.flops, tracker.attention_flops, tracker.memory_bytes
         with saved, counts.count_collectives(on_output=receive) as records:
             result = step.train_step(model, optimizer, [batch], 1, args.seq_length, args.micro_batch_size,
                                      batch_transform=mode.batch_transform(args))
             step.global_losses([result["loss"]])
-    flops = {"total": tracker.flops - flops_before, "attention": tracker.attention_flops - attention_before}
+    flops = {"total": tracker.flops - flops_before, "attention": tracker.attention_flops - attention_before,
+             "memory_bytes": tracker.memory_bytes - bytes_before}
     return static, flops, records
 
 

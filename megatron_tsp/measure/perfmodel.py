@@ -8,13 +8,15 @@ extrapolated linearly in the layer count (exact: layers are identical).
 Time of one micro-batch step on one rank:
 
     compute  = matmul FLOPs / (peak x matmul_efficiency) + attention FLOPs / (peak x attention_efficiency)
+               + memory-bound bytes / hbm bandwidth
     comm[g]  = bytes[g] / bandwidth(g) + calls[g] x latency(g)      (intra- or inter-node link)
     step     = max(compute, hidden) + exposed
 
 where ``hidden`` is the traffic a mode overlaps with compute in the scenario and ``exposed``
-the rest. Traffic that can only hide behind attention (TSP's K/V exchange runs while the
-previous head group attends; the CP K/V exchange of TP x CP) is hidden up to the attention
-time and exposed beyond it (:class:`modes.Mode`). Scenarios (:data:`SCENARIOS`):
+the rest (the data-parallel gradient reduce hides only with ``--overlap-grad-reduce``).
+Traffic that can only hide behind attention (TSP's K/V exchange runs while the previous head
+group attends; the CP K/V exchange of TP x CP) is hidden up to the attention time and
+exposed beyond it (:class:`modes.Mode`). Scenarios (:data:`SCENARIOS`):
 
 * ``overlap``: every mode hides what it can: TSP its weight streams and K/V exchange (built
   into its layers), TP and TP+SP their tensor-parallel all-gathers/reduce-scatters
@@ -22,10 +24,14 @@ time and exposed beyond it (:class:`modes.Mode`). Scenarios (:data:`SCENARIOS`):
   exchange (ring attention), all of them the data-parallel gradient reduce;
 * ``no_tp_overlap``: as above, but the baselines' tensor-parallel traffic is exposed, which
   is megatron's default (``--tp-comm-overlap`` off, and the only choice without
-  TransformerEngine); TSP is unchanged: its overlap needs no TransformerEngine;
+  TransformerEngine), and so is TP x CP's K/V exchange (without TransformerEngine the
+  baseline all-gathers K/V before it attends); TSP is unchanged: its overlap needs no
+  TransformerEngine;
 * ``no_overlap``: nothing is hidden.
 
-Memory-bound elementwise work and the optimizer step are not modelled.
+Memory-bound bytes are what the ops without a FLOP formula read and write (elementwise ops,
+norms, copies, the optimizer step), op by op as the step runs them unfused: fused kernels
+(TransformerEngine, apex) move fewer, so on GPUs this term is an upper bound.
 """
 
 from __future__ import annotations
@@ -48,11 +54,11 @@ INTRA_NODE_GROUPS = ("tp", "cp", "tsp_weight")
 SCENARIOS = ("overlap", "no_tp_overlap", "no_overlap")
 
 
-def overlapped(mode: str, scenario: str):
+def overlapped(mode: str, scenario: str, overlap_grad_reduce: bool):
     """The groups whose traffic ``mode`` hides behind compute in ``scenario``."""
     if scenario == "no_overlap":
         return ()
-    return get_mode(mode).overlapped(tp_comm_overlap=scenario == "overlap")
+    return get_mode(mode).overlapped(scenario == "overlap", overlap_grad_reduce)
 
 
 @dataclass(frozen=True)
@@ -145,9 +151,10 @@ def _layer_counts(values: Dict, mode: str, world_size: Optional[int], cp: int, f
         v = dict(values, num_layers=layers)
         plan = memory.plan(copy.deepcopy(v), mode, world_size, cp, fused_norm=fused_norm)
         return {"flops": plan["flops_per_rank"], "attention_flops": plan["attention_flops_per_rank"],
+                "memory_bytes": plan["memory_bytes_per_rank"],
                 "comm": plan["comm"], "peak_gib": plan["peak_gib"], "parallel": plan["parallel"]}
 
-    keys = ("flops", "attention_flops", "comm", "peak_gib")
+    keys = ("flops", "attention_flops", "memory_bytes", "comm", "peak_gib")
     one, two = counts(1), counts(2)
     per_layer = _sub({k: two[k] for k in keys}, {k: one[k] for k in keys})
     base = _sub({k: one[k] for k in keys}, per_layer)
@@ -159,12 +166,14 @@ def totals_for(counts: Dict, layers: int) -> Dict:
 
 
 def step_time(total: Dict, hw: Hardware, mode: str, scenario: str, world_size: int,
-              phases=("forward", "backward")) -> Dict:
-    """Seconds per micro-batch step of one rank, broken down (``scenario``: :data:`SCENARIOS`)."""
+              phases=("forward", "backward"), overlap_grad_reduce: bool = True) -> Dict:
+    """Seconds per micro-batch step of one rank, broken down (``scenario``: :data:`SCENARIOS`;
+    ``overlap_grad_reduce``: the config's, whether the data-parallel reduce can hide)."""
     peak = hw.peak_tflops * 1e12
     attention = total["attention_flops"]
     attention_s = attention / (peak * hw.attention_efficiency)
-    compute = (total["flops"] - attention) / (peak * hw.matmul_efficiency) + attention_s
+    memory_s = total.get("memory_bytes", 0) / (hw.hbm_gbs * 1e9)
+    compute = (total["flops"] - attention) / (peak * hw.matmul_efficiency) + attention_s + memory_s
     multi_node = world_size > hw.gpus_per_node
     comm: Dict[str, float] = {}
     for group, by_phase in total["comm"].items():
@@ -179,12 +188,13 @@ def step_time(total: Dict, hw: Hardware, mode: str, scenario: str, world_size: i
                 seconds += entry["bytes_received"] / bw + entry["calls"] * latency
         if seconds > 0:
             comm[group] = seconds
-    hides = overlapped(mode, scenario)
+    hides = overlapped(mode, scenario, overlap_grad_reduce)
     behind_attention = sum(t for g, t in comm.items() if g in hides and g in get_mode(mode).behind_attention)
     hidden = sum(t for g, t in comm.items() if g in hides) - behind_attention + min(behind_attention, attention_s)
     exposed = sum(t for g, t in comm.items() if g not in hides) + max(0.0, behind_attention - attention_s)
     step = max(compute, hidden) + exposed
-    return {"compute_s": compute, "comm_s": comm, "exposed_comm_s": step - compute, "step_s": step}
+    return {"compute_s": compute, "memory_bound_s": memory_s, "comm_s": comm, "exposed_comm_s": step - compute,
+            "step_s": step}
 
 
 def predict(config_path: str, hw: Hardware, nodes: int = 1, modes: List[str] = ("tsp", "tp-sp"),
@@ -239,7 +249,7 @@ def evaluate(values: Dict, mode: str, hw: Hardware, world: int, cp: int, brief: 
     model_flops = flops_formula.flops_per_sequence_from_args(args, padded_vocab(args)) * args.micro_batch_size
     out = {"parallel": d, "peak_gib": total["peak_gib"]}
     for key in SCENARIOS:
-        t = step_time(total, hw, mode, key, world)
+        t = step_time(total, hw, mode, key, world, overlap_grad_reduce=args.overlap_grad_reduce)
         t["tokens_per_s_cluster"] = replicas * tokens / t["step_s"]
         t["mfu"] = model_flops / (t["step_s"] * ranks * hw.peak_tflops * 1e12)
         out[key] = t

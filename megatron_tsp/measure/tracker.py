@@ -5,7 +5,8 @@ Categories: ``parameters``, ``gradients`` (megatron's grad buffers), ``optimizer
 and fp32 main weights), ``activations`` (tensors autograd saves for backward, forward and
 recomputation), ``communication`` (receive buffers of collectives while they live) and
 ``temporaries`` (everything else). The tracker also applies torch's FLOP formulas (those of
-``FlopCounterMode``) to every op.
+``FlopCounterMode``) to every op, and counts the bytes that the ops without one (elementwise,
+norms, softmax pieces, copies, the optimizer) read and write: their time is memory time.
 """
 
 from __future__ import annotations
@@ -24,6 +25,12 @@ GIB = 2**30
 
 
 _ATTENTION_OPS = {torch.ops.megatron_tsp.block_attention, torch.ops.megatron_tsp.block_attention_backward}
+_NOT_MEMORY_BOUND = ("c10d", "_c10d_functional")  # collectives: counted as traffic (counts.py)
+
+
+def _nbytes(*trees) -> int:
+    return sum(t.numel() * t.element_size() for t in torch.utils._pytree.tree_leaves(trees)
+               if isinstance(t, torch.Tensor))
 
 
 class StorageTracker(TorchDispatchMode):
@@ -38,6 +45,7 @@ class StorageTracker(TorchDispatchMode):
         self.origin: Dict[int, str] = {}
         self.flops = 0
         self.attention_flops = 0
+        self.memory_bytes = 0
         self.category: Dict[int, str] = {}  # storage id -> category
         self.size: Dict[int, int] = {}
         self._refs: Dict[int, weakref.ref] = {}
@@ -112,6 +120,8 @@ class StorageTracker(TorchDispatchMode):
             self.flops += flops
             if func._overloadpacket in _ATTENTION_OPS:
                 self.attention_flops += flops
+        elif not func.is_view and func.namespace not in _NOT_MEMORY_BOUND:
+            self.memory_bytes += _nbytes(args, kwargs) + _nbytes(out)
         for t in out if isinstance(out, (list, tuple)) else [out]:
             if isinstance(t, torch.Tensor):
                 self._add(t, self.default)

@@ -31,8 +31,9 @@ PARALLEL_KEYS = ("tsp_size", "tensor_model_parallel_size", "context_parallel_siz
 class Mode:
     """``sizes(D, cp)``: the parallel config keys of the mode at model-parallel size D.
     ``hides``: groups whose traffic the mode's own layers overlap with compute;
-    ``hides_with_tp_comm_overlap``: groups hidden only with TransformerEngine's
-    ``--tp-comm-overlap``; ``behind_attention``: groups that can hide behind attention only;
+    ``hides_with_te``: groups hidden only with TransformerEngine (TP by its ``--tp-comm-overlap``;
+    CP by its ring attention: without it the baseline all-gathers K/V before attending, see
+    ``core/baselines.py``); ``behind_attention``: groups that can hide behind attention only;
     ``inert_recompute``: megatron recompute modules that change nothing in this mode, and why."""
 
     name: str
@@ -40,7 +41,7 @@ class Mode:
     tsp_layers: bool = False
     overlap_comm: bool = True
     hides: Tuple[str, ...] = ()
-    hides_with_tp_comm_overlap: Tuple[str, ...] = ()
+    hides_with_te: Tuple[str, ...] = ()
     behind_attention: Tuple[str, ...] = ()
     inert_recompute: Dict[str, str] = field(default_factory=dict)
 
@@ -83,10 +84,11 @@ class Mode:
             return get_batch_on_this_cp_rank
         return None
 
-    def overlapped(self, tp_comm_overlap: bool) -> Tuple[str, ...]:
+    def overlapped(self, transformer_engine: bool, overlap_grad_reduce: bool) -> Tuple[str, ...]:
         """The groups whose traffic hides behind compute (the data-parallel gradient reduce
-        always overlaps the backward pass)."""
-        return self.hides + (self.hides_with_tp_comm_overlap if tp_comm_overlap else ()) + ("dp", "dp_cp")
+        only with ``--overlap-grad-reduce``: megatron's default reduces after the backward pass)."""
+        return self.hides + (self.hides_with_te if transformer_engine else ()) + \
+            (("dp", "dp_cp") if overlap_grad_reduce else ())
 
 
 def _tp_cp(d: int, cp: int) -> Dict:
@@ -105,17 +107,17 @@ MODES: Dict[str, Mode] = {m.name: m for m in (
     Mode("tsp-no-overlap", lambda d, cp: dict(tsp_size=d),
          **dict(_TSP, overlap_comm=False, hides=(), behind_attention=())),
     # TP D, TP D + sequence parallelism
-    Mode("tp", lambda d, cp: dict(tensor_model_parallel_size=d), hides_with_tp_comm_overlap=("tp",)),
+    Mode("tp", lambda d, cp: dict(tensor_model_parallel_size=d), hides_with_te=("tp",)),
     Mode("tp-sp", lambda d, cp: dict(tensor_model_parallel_size=d, sequence_parallel=True),
-         hides_with_tp_comm_overlap=("tp",)),
+         hides_with_te=("tp",)),
     # TP D/cp x CP cp (TP+SP when D/cp > 1)
-    Mode("tp-cp", _tp_cp, hides=("cp",), hides_with_tp_comm_overlap=("tp",), behind_attention=("cp",)),
+    Mode("tp-cp", _tp_cp, hides_with_te=("tp", "cp"), behind_attention=("cp",)),
     # TP D + SP with TSP's ring MLP (--ring-mlp): the MLP moves weights, the attention is TP+SP's
     Mode("tp-sp-ring", lambda d, cp: dict(tensor_model_parallel_size=d, sequence_parallel=True, ring_mlp=True),
-         hides=("tsp_weight",), hides_with_tp_comm_overlap=("tp",)),
+         hides=("tsp_weight",), hides_with_te=("tp",)),
     # TP D with the ring MLP: each rank's 1/D of the tokens through the ring, one all-gather out
     Mode("tp-ring", lambda d, cp: dict(tensor_model_parallel_size=d, ring_mlp=True), hides=("tsp_weight",),
-         hides_with_tp_comm_overlap=("tp",)),
+         hides_with_te=("tp",)),
 )}
 
 
