@@ -173,13 +173,29 @@ def run(config_path: str, seqs: List[int], modes: List[str], repeats: int, steps
 SCENARIO = "no_tp_overlap"
 
 
-def predicted(results: Dict, values: Dict, profile: Dict, link_name: str, nproc: int) -> None:
-    """Add the performance model's step time (:data:`SCENARIO`, the profile at ``link_name``)
-    and its relative error to every measured entry, and the predicted ratios to TP+SP."""
+def _hardware_at(profile: Dict, seq: int):
+    """The profile with the kernel rates calibrate measured at ``seq`` (matmul and attention
+    FLOP/s and the elementwise bandwidth depend on the shapes: cache, page faults), where it
+    measured them."""
     from megatron_tsp.measure import perfmodel
 
-    hw = perfmodel.Hardware(**profile).at_link(link_name)
+    hw = perfmodel.Hardware(**profile)
+    at = ((profile.get("measured") or {}).get("kernels_by_seq") or {}).get(str(seq))
+    if not at:
+        return hw
+    return dataclasses.replace(hw, peak_tflops=at["matmul_flops"] / 1e12, matmul_efficiency=1.0,
+                               attention_efficiency=at["attention_flops"] / at["matmul_flops"],
+                               hbm_gbs=at.get("elementwise_gbs", hw.hbm_gbs))
+
+
+def predicted(results: Dict, values: Dict, profile: Dict, link_name: str, nproc: int) -> None:
+    """Add the performance model's step time (:data:`SCENARIO`, the profile at ``link_name``
+    and at each S) and its relative error to every measured entry, and the predicted ratios
+    to TP+SP."""
+    from megatron_tsp.measure import perfmodel
+
     for seq, entry in results.items():
+        hw = _hardware_at(profile, int(seq)).at_link(link_name)
         for mode, r in entry.items():
             model = perfmodel.evaluate(at_seq_length(values, int(seq)), mode, hw, nproc, DEFAULT_CP, brief=True)
             t = model[SCENARIO]
@@ -196,8 +212,7 @@ def model_ratio(values: Dict, profile: Dict, seq: int, nproc: int, mb_s: float) 
     (the unthrottled link's latency)."""
     from megatron_tsp.measure import perfmodel
 
-    hw = perfmodel.Hardware(**profile)
-    hw = dataclasses.replace(hw, intra_node_gbs=mb_s / 1e3, inter_node_gbs=mb_s / 1e3)
+    hw = dataclasses.replace(_hardware_at(profile, seq), intra_node_gbs=mb_s / 1e3, inter_node_gbs=mb_s / 1e3)
     values = at_seq_length(values, seq)
     tsp, tp_sp = (perfmodel.evaluate(values, m, hw, nproc, DEFAULT_CP, brief=True)[SCENARIO]["step_s"]
                   for m in ("tsp", "tp-sp"))
