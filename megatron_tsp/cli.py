@@ -375,7 +375,33 @@ def _bench_parser(sub, common) -> None:
     p.add_argument("--timeout-s", type=POSITIVE_FLOAT, default=1800.0, help="deadline of one block")
     p.add_argument("--out", default="bench/results", help="output folder")
     p.add_argument("--name", default="bench-cpu", help="file stem of the results")
+    p.add_argument("--reprice", metavar="RESULT_JSON", help="run nothing: price the measured --link grid of "
+                   "RESULT_JSON again with the links of --hardware (calibrated at the same rates), rewrite its files")
+    p.add_argument("--hardware", help="with --reprice: the calibrated profile (megatron-tsp calibrate)")
     p.set_defaults(func=_cmd_bench)
+
+
+def _reprice(ns: argparse.Namespace) -> int:
+    from megatron_tsp.measure import bench, perfmodel
+    from megatron_tsp.run import config
+
+    if not ns.hardware:
+        raise ConfigError("--reprice needs --hardware PROFILE.yaml (written by megatron-tsp calibrate --link ...)")
+    try:
+        with open(ns.reprice, encoding="utf-8") as f:
+            result = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"--reprice {ns.reprice}: cannot read a bench result ({exc})") from None
+    if "links" not in result:
+        raise ConfigError(f"--reprice {ns.reprice}: not a bench --link result")
+    perfmodel.load_hardware(ns.hardware)  # one line for a bad profile
+    path = result["setup"]["config"]  # as the run named it: in another checkout, this one's configs/
+    values = config.load_config(path if os.path.exists(path) else os.path.join(CONFIGS, os.path.basename(path)))
+    bench.reprice(result, config.read_yaml(ns.hardware), values)
+    print(bench.table(result))
+    stem = os.path.splitext(os.path.basename(ns.reprice))[0]
+    print("wrote", ", ".join(bench.write(result, os.path.dirname(ns.reprice) or ".", stem)))
+    return 0
 
 
 @contextlib.contextmanager
@@ -401,6 +427,9 @@ def _on_link(ns: argparse.Namespace, world: int):
 
 def _cmd_bench(ns: argparse.Namespace) -> int:
     from megatron_tsp.run import launch
+
+    if ns.reprice:
+        return _reprice(ns)
 
     world = int(os.environ["WORLD_SIZE"]) if launch.under_torchrun() else ns.nproc
     with _on_link(ns, world) as link:

@@ -36,6 +36,17 @@ def ranks():
     _POOLS.clear()
 
 
+@pytest.hookimpl(trylast=True)  # after -k/-m deselected what they deselect
+def pytest_collection_modifyitems(session, config, items):
+    """Work a selected test module can do in a process of its own (its
+    ``start_in_background()``) starts now and runs beside the tests before it."""
+    if config.option.collectonly:
+        return
+    for module in {item.module for item in items}:
+        if hasattr(module, "start_in_background"):
+            module.start_in_background()
+
+
 def processes(session=None, group=None):
     """Live processes (zombies aside) of a session or a process group, this one excluded."""
     found = []

@@ -94,7 +94,7 @@ def test_a_stopped_rank_fails_the_job_within_the_collective_timeout():
         pool.run(_train_and_stop_rank_1, timeout_s=120)
     elapsed = time.monotonic() - start
     summary = failure.value.summary
-    assert elapsed < 60, elapsed  # 6 s collective timeout + 5 s for the others to report + start-up; not 120
+    assert elapsed < 60, elapsed  # 6 s collective timeout + start-up (no wait for a stopped rank); not 120
     assert summary.startswith("rank(s) [1] stopped by the operating system (SIGSTOP, a debugger?); rank 0 gave up"), \
         summary
     assert failure.value.rank == 1 and len(summary.splitlines()) == 1

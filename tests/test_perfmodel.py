@@ -73,3 +73,18 @@ def test_crossover_is_where_a_mode_stays_at_least_as_fast_as_tp_sp():
     sweep = {4096: point(2, 1), 8192: point(1, 1), 16384: point(1, 2)}
     assert perfmodel.crossover(sweep, "m", "overlap") == 8192
     assert perfmodel.crossover({4096: point(1, 2), 8192: point(2, 1)}, "m", "overlap") is None
+
+
+def test_a_calibrated_link_prices_each_primitive_at_its_own_bandwidth():
+    """gloo's reduce-scatter delivers less than its all-gather on the same link: a calibrated
+    link says so per primitive, and the model prices each primitive's bytes accordingly."""
+    import dataclasses
+
+    gb = 1e9
+    comm = {"tp": {"forward": {"all_gather": {"calls": 1, "bytes_sent": 8 * gb, "bytes_received": 8 * gb},
+                               "reduce_scatter": {"calls": 1, "bytes_sent": 8 * gb, "bytes_received": 8 * gb}}}}
+    total = {"flops": 0, "attention_flops": 0, "comm": comm}
+    link = dict(gbs=4.0, latency_us=0.0, by_primitive_gbs={"all_gather": 4.0, "reduce_scatter": 1.0})
+    hw = dataclasses.replace(HW, links={"slow": link, "flat": dict(link, by_primitive_gbs=None)})
+    assert abs(perfmodel.step_time(total, hw.at_link("slow"), "tp-sp", "no_overlap", 8)["step_s"] - (2 + 8)) < 1e-9
+    assert abs(perfmodel.step_time(total, hw.at_link("flat"), "tp-sp", "no_overlap", 8)["step_s"] - (2 + 2)) < 1e-9

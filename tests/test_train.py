@@ -1,8 +1,8 @@
 """`megatron-tsp train`, the main job: through its command line the loss falls and a killed
 run resumes from its checkpoint with the losses of an uninterrupted run; the same checkpoint
 resumes at D=1, on one rank or two data-parallel ranks, and in TP=2+SP (the padded
-vocabulary does not depend on the layout), and the TP+SP baseline starts from the same loss
-(those through the training loop on the tests' worker pools)."""
+vocabulary does not depend on the layout), and the TP+SP baseline and TP+SP with the ring MLP
+start from the same loss (those through the training loop on the tests' worker pools)."""
 
 import json
 import os
@@ -124,13 +124,18 @@ def test_tp_sp_baseline_starts_from_the_same_loss(ranks, tmp_path, uninterrupted
     assert abs(first["loss"] - uninterrupted[1]["loss"]) <= 1e-5 * uninterrupted[1]["loss"]
 
 
-def test_ring_mlp_in_tp_sp_trains_from_the_same_loss(tmp_path, uninterrupted):
-    """`megatron-tsp train --tsp-size 1 --tensor-model-parallel-size 2 --sequence-parallel --ring-mlp`."""
+def test_ring_mlp_in_tp_sp_trains_from_the_same_loss(ranks, tmp_path, uninterrupted):
+    """`megatron-tsp train --tsp-size 1 --tensor-model-parallel-size 2 --sequence-parallel --ring-mlp`
+    (the flags as the command line reads them, the run through the training loop)."""
+    from megatron_tsp.cli import build_parser
+    from megatron_tsp.run import config
+
+    ns = build_parser().parse_args(["train", TINY, "--tsp-size", "1", "--tensor-model-parallel-size", "2",
+                                    "--sequence-parallel", "--ring-mlp"])
+    layout = config.overrides(ns)
+    assert layout == dict(tsp_size=1, tensor_model_parallel_size=2, sequence_parallel=True, ring_mlp=True), layout
     log = tmp_path / "ring.jsonl"
-    cmd = _cmd(tmp_path, log, "--tsp-size", "1", "--tensor-model-parallel-size", "2", "--sequence-parallel",
-               "--ring-mlp", "--lr-decay-iters", str(ITERS))  # the uninterrupted run's schedule
-    cmd[cmd.index("--train-iters") + 1] = "2"
-    _run(cmd)
+    ranks(2, _train_logged, dict(layout, train_iters=2), tmp_path, log)
     first, second = _records(log)
     assert abs(first["loss"] - uninterrupted[1]["loss"]) <= 1e-5 * uninterrupted[1]["loss"]
     assert abs(second["loss"] - uninterrupted[2]["loss"]) <= 1e-4 * uninterrupted[2]["loss"]

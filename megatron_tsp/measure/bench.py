@@ -207,12 +207,26 @@ def predicted(results: Dict, values: Dict, profile: Dict, link_name: str, nproc:
                 r["predicted_vs_tp_sp"] = r["predicted_step_s"] / entry["tp-sp"]["predicted_step_s"]
 
 
+def _primitive_efficiency(profile: Dict) -> Dict[str, float]:
+    """Each primitive's bandwidth over the all-gather's on the rate-limited links calibrated
+    (the median over them; the unthrottled link is CPU-bound, not link-bound)."""
+    links = [at for at in (profile.get("links") or {}).values()
+             if at.get("rate_mb_s_per_rank") is not None and at.get("by_primitive_gbs")]
+    if not links:
+        return {}
+    return {p: statistics.median(at["by_primitive_gbs"][p] / at["gbs"] for at in links)
+            for p in links[0]["by_primitive_gbs"]}
+
+
 def model_ratio(values: Dict, profile: Dict, seq: int, nproc: int, mb_s: float) -> float:
     """The model's TSP / TP+SP step time at ``seq`` with every link at ``mb_s`` MB/s per rank
-    (the unthrottled link's latency)."""
+    of all-gather (the other primitives in the proportion calibrated; the unthrottled link's
+    latency)."""
     from megatron_tsp.measure import perfmodel
 
-    hw = dataclasses.replace(_hardware_at(profile, seq), intra_node_gbs=mb_s / 1e3, inter_node_gbs=mb_s / 1e3)
+    gbs = mb_s / 1e3
+    hw = dataclasses.replace(_hardware_at(profile, seq), intra_node_gbs=gbs, inter_node_gbs=gbs,
+                             primitive_gbs={p: e * gbs for p, e in _primitive_efficiency(profile).items()})
     values = at_seq_length(values, seq)
     tsp, tp_sp = (perfmodel.evaluate(values, m, hw, nproc, DEFAULT_CP, brief=True)[SCENARIO]["step_s"]
                   for m in ("tsp", "tp-sp"))
@@ -261,6 +275,29 @@ def crossover_rates(result: Dict, values: Dict) -> Dict:
                                                            result["setup"]["ranks"], lo, hi),
                     "tsp_faster_below": curve[0][1] < 1, "searched_mb_s": [lo, hi]}
     return out
+
+
+def reprice(result: Dict, profile: Dict, values: Dict) -> None:
+    """Price a measured ``--link`` grid again with the links of ``profile`` (a later
+    ``calibrate`` at the same set rates), keeping the kernel rates measured in the run:
+    every prediction, error and crossover is recomputed; the measurements are untouched."""
+    new = {}
+    for name, at in result["links"].items():
+        rate = at["rate_mb_s_per_rank"]
+        found = [link for link in (profile.get("links") or {}).values()
+                 if (rate is None and link["rate_mb_s_per_rank"] is None)
+                 or (rate is not None and link["rate_mb_s_per_rank"] is not None
+                     and abs(link["rate_mb_s_per_rank"] / rate - 1) < 0.01)]
+        if not found:
+            raise cfg.ConfigError(f"--reprice: profile {profile.get('name')} has no link calibrated at "
+                                  f"{rate or 'no limit'} MB/s per rank (link {name} of the results); "
+                                  f"calibrate --link with that rate")
+        new[name] = found[0]
+    result["profile"] = dict(result["profile"], links=new)
+    for name, at in result["links"].items():
+        predicted(at["results"], values, result["profile"], name, result["setup"]["ranks"])
+    result["crossover_rate"] = crossover_rates(result, values)
+    result["repriced"] = {"links_from": profile.get("name"), "date": run_record()["date"]}
 
 
 def crossover(results: Dict) -> Optional[int]:

@@ -94,16 +94,56 @@ def rank_all_gather(nbytes: int, repeats: int) -> float:
     return _timed(lambda: dist.all_gather_into_tensor(gathered, piece), repeats)
 
 
+def rank_primitives(nbytes: int, repeats: int) -> Dict[str, float]:
+    """Seconds of one call of every primitive the modes use, sized so that a rank receives
+    ``nbytes`` by the traffic rules the counts use (``core/comm.traffic``; broadcast and
+    reduce: on average over the ranks, the root rotating as in the modes)."""
+    import torch
+    import torch.distributed as dist
+
+    d, rank = dist.get_world_size(), dist.get_rank()
+    n = max(1, nbytes // (4 * (d - 1)))  # elements of a shard
+    shard, full = torch.ones(n), torch.ones(n * d)
+    whole = torch.ones(n * d // 2)  # all-reduce: 2 (d-1)/d of it received
+    one = torch.ones(nbytes * d // (4 * (d - 1)))  # broadcast, reduce: (d-1)/d of it received on average
+    peer = torch.ones(nbytes // 4)
+
+    def send_recv():  # a ring step: send to the next rank, receive from the previous one
+        ops = [dist.P2POp(dist.isend, peer, (rank + 1) % d), dist.P2POp(dist.irecv, torch.empty_like(peer),
+                                                                         (rank - 1) % d)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+    calls = {"all_gather": lambda: dist.all_gather_into_tensor(full, shard),
+             "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, full),
+             "all_reduce": lambda: dist.all_reduce(whole),
+             "broadcast": lambda: [dist.broadcast(one, r) for r in range(d)],
+             "reduce": lambda: [dist.reduce(one, r) for r in range(d)],
+             "send_recv": send_recv}
+    per_call = {"broadcast": d, "reduce": d}
+    return {name: _timed(fn, repeats) / per_call.get(name, 1) for name, fn in calls.items()}
+
+
 def link_fit(runner, rate_mb_s: Optional[float], repeats: int = 3) -> Dict:
     """Bandwidth (GB/s received per rank) and latency (us per call) of all-gathers on the
-    ranks at the link's current setting."""
+    ranks at the link's current setting, and the bandwidth each primitive achieves
+    (``by_primitive``: gloo's reduce-scatter, for one, moves more than it delivers)."""
     large = max(_MIN_LARGE, int((rate_mb_s or 1e9) * 1e6 * _LARGE_S)) if rate_mb_s else 64 << 20
     t_small = max(runner(rank_all_gather, _SMALL, repeats))
     t_large = max(runner(rank_all_gather, large, repeats))
     bandwidth = (large - _SMALL) / max(t_large - t_small, 1e-9)
     latency = max(t_small - _SMALL / bandwidth, 0.0)
+    size = max(_MIN_LARGE // 4, large // 4)  # a quarter: still bandwidth-bound, 8 calls of each at every rate
+    primitives = {name: max(times) for name, times in _by_name(runner(rank_primitives, size, 2)).items()}
+    by_primitive = {name: size / max(t - latency, 1e-9) / 1e9 for name, t in primitives.items()}
     return {"rate_mb_s_per_rank": rate_mb_s, "gbs": bandwidth / 1e9, "latency_us": latency * 1e6,
-            "measured": {"bytes": [_SMALL, large], "seconds": [t_small, t_large]}}
+            "by_primitive_gbs": by_primitive,
+            "measured": {"bytes": [_SMALL, large], "seconds": [t_small, t_large], "primitive_bytes": size,
+                         "primitive_s": primitives}}
+
+
+def _by_name(per_rank: List[Dict[str, float]]) -> Dict[str, List[float]]:
+    return {name: [r[name] for r in per_rank] for name in per_rank[0]}
 
 
 def profile(values: Dict, seqs: List[int], runner, link, rates: List, hardware_dir: str) -> Dict:

@@ -9,7 +9,8 @@ Time of one micro-batch step on one rank:
 
     compute  = matmul FLOPs / (peak x matmul_efficiency) + attention FLOPs / (peak x attention_efficiency)
                + memory-bound bytes / hbm bandwidth
-    comm[g]  = bytes[g] / bandwidth(g) + calls[g] x latency(g)      (intra- or inter-node link)
+    comm[g]  = sum over primitives p of bytes[g, p] / bandwidth(g, p) + calls[g] x latency(g)
+               (intra- or inter-node link; a calibrated link has a bandwidth per primitive)
     step     = max(compute, hidden) + exposed
 
 where ``hidden`` is the traffic a mode overlaps with compute in the scenario and ``exposed``
@@ -78,6 +79,8 @@ class Hardware:
     # what was measured
     links: Optional[Dict] = None
     measured: Optional[Dict] = None
+    # GB/s received per rank by primitive, where it differs from the link's (a calibrated link)
+    primitive_gbs: Optional[Dict] = None
 
     def at_link(self, name: str) -> "Hardware":
         """This profile with every link at the calibrated ``name`` (a rate-limited CPU link)."""
@@ -86,10 +89,11 @@ class Hardware:
                                   f"{', '.join(self.links or {}) or 'none'} (megatron-tsp calibrate --link ...)")
         link = self.links[name]
         return dataclasses.replace(self, intra_node_gbs=link["gbs"], inter_node_gbs=link["gbs"],
-                                   intra_node_latency_us=link["latency_us"], inter_node_latency_us=link["latency_us"])
+                                   intra_node_latency_us=link["latency_us"], inter_node_latency_us=link["latency_us"],
+                                   primitive_gbs=link.get("by_primitive_gbs"))
 
 
-_OPTIONAL_KEYS = ("links", "measured")
+_OPTIONAL_KEYS = ("links", "measured", "primitive_gbs")
 _HARDWARE_KEYS = tuple(k for k in Hardware.__dataclass_fields__ if k not in _OPTIONAL_KEYS)
 
 
@@ -184,8 +188,9 @@ def step_time(total: Dict, hw: Hardware, mode: str, scenario: str, world_size: i
         for phase, prims in by_phase.items():
             if phase not in phases:
                 continue
-            for entry in prims.values():
-                seconds += entry["bytes_received"] / bw + entry["calls"] * latency
+            for primitive, entry in prims.items():
+                achieved = (hw.primitive_gbs or {}).get(primitive)
+                seconds += entry["bytes_received"] / (achieved * 1e9 if achieved else bw) + entry["calls"] * latency
         if seconds > 0:
             comm[group] = seconds
     hides = overlapped(mode, scenario, overlap_grad_reduce)

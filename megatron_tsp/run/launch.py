@@ -436,8 +436,11 @@ class WorkerPool:
                         if not _is_timeout(results[rank][1][0]):
                             pending.clear()
                             break
-                        # a collective timed out: give the others a moment to report theirs
-                        deadline = min(deadline, time.monotonic() + _STRAGGLER_GRACE_S)
+                        # a collective timed out: give the others a moment to report theirs,
+                        # unless the operating system has stopped every one of them
+                        quiet = sorted(pending.values())
+                        grace = 0.0 if self._stopped(quiet) == quiet else _STRAGGLER_GRACE_S
+                        deadline = min(deadline, time.monotonic() + grace)
                 elif obj in sentinels and sentinels[obj] in pending.values():
                     self._died(what, sentinels.pop(obj))
         if failed is not None:
