@@ -25,7 +25,10 @@ GIB = 2**30
 
 
 _ATTENTION_OPS = {torch.ops.megatron_tsp.block_attention, torch.ops.megatron_tsp.block_attention_backward}
-_NOT_MEMORY_BOUND = ("c10d", "_c10d_functional")  # collectives: counted as traffic (counts.py)
+_NOT_MEMORY_BOUND = ("c10d", "_c10d_functional", "prim")  # collectives (counts.py), metadata queries
+# ops that read and write no element: allocations, and views that are not flagged as views
+_NO_DATA = {"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided", "_unsafe_view", "detach",
+            "lift_fresh", "resize_", "set_"}
 
 
 def _nbytes(*trees) -> int:
@@ -120,7 +123,7 @@ class StorageTracker(TorchDispatchMode):
             self.flops += flops
             if func._overloadpacket in _ATTENTION_OPS:
                 self.attention_flops += flops
-        elif not func.is_view and func.namespace not in _NOT_MEMORY_BOUND:
+        elif not (func.is_view or func.namespace in _NOT_MEMORY_BOUND or func._overloadpacket.__name__ in _NO_DATA):
             self.memory_bytes += _nbytes(args, kwargs) + _nbytes(out)
         for t in out if isinstance(out, (list, tuple)) else [out]:
             if isinstance(t, torch.Tensor):
