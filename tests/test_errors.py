@@ -25,6 +25,7 @@ from megatron_tsp.run import checkpointing, config, data, preflight
 TINY = os.path.join(ROOT, "configs", "tiny-cpu.yaml")
 MODEL_7B = os.path.join(ROOT, "configs", "7b", "128k-tsp8.yaml")
 H100 = os.path.join(ROOT, "configs", "hardware", "h100.yaml")
+LINK_RESULT = os.path.join(ROOT, "bench", "results", "bench-cpu-link.json")
 
 
 def one_line(capsys, argv, code=None):
@@ -325,6 +326,11 @@ def test_memory_checks_before_planning(capsys, flags, message):
     (["--modes", "tsp,fsdp"], "--modes: unknown mode(s) fsdp"),
     (["--seq", "66"], "'seq_length' (--seq-length) 66 is not divisible by 2 x --tsp-size = 4"),
     (["--nproc", "3"], "world size 3 (--nproc)"),
+    (["--reprice", LINK_RESULT], "--reprice needs --hardware PROFILE.yaml"),
+    (["--reprice", os.path.join(ROOT, "bench", "results", "bench-cpu-2rank-2k-4k.json"), "--hardware", H100],
+     "not a bench --link result"),
+    (["--reprice", LINK_RESULT, "--hardware", H100],
+     "--reprice: profile h100 has no link calibrated at no limit MB/s per rank (link none of the results)"),
 ])
 def test_bench_checks_before_starting_ranks(capsys, flags, message):
     assert message in one_line(capsys, ["bench", *flags], code=2)
