@@ -16,8 +16,9 @@ benchmark's ranks use:
   memory-bound ops of the step are priced with it;
 * per link rate (:class:`megatron_tsp.measure.link.Link`): the all-gather bytes each rank
   receives per second and the time per call, from two message sizes
-  (``t = latency + bytes / bandwidth``): ``links`` in the profile, and the unthrottled one as
-  its ``intra_node_gbs``.
+  (``t = latency + bytes / bandwidth``), and the bandwidth each primitive the modes use
+  achieves (``by_primitive_gbs``: gloo's reduce-scatter and reduce deliver about half their
+  all-gather's): ``links`` in the profile, and the unthrottled one as its ``intra_node_gbs``.
 """
 
 from __future__ import annotations
