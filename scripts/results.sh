@@ -29,6 +29,9 @@ if [[ $what == predict || $what == all ]]; then
         --json "$out/predict-7b-sweep-$gpu-${nodes}node.json"
     done
   done
+  # one GPU per node: the TSP group's traffic crosses 400G IB (what `bench --like ib-400g` emulates)
+  run megatron-tsp predict configs/7b/128k-tsp8.yaml --hardware configs/hardware/h100-ib.yaml --nodes 8 \
+    --json "$out/predict-7b-128k-h100-ib-8node.json"
   run megatron-tsp predict configs/7b/128k-tsp8-norecompute.yaml --hardware configs/hardware/mi300x.yaml --nodes 128 \
     --modes tsp,tp-sp --sweep 4096,8192,16384,32768,65536,131072,262144 \
     --json "$out/predict-7b-sweep-norecompute-mi300x-128node.json"
