@@ -1,6 +1,6 @@
 """``--tsp-size`` and ``--ring-mlp`` for Megatron-LM's ``pretrain_gpt.py`` (tag core_v0.16.1).
 
-TSP rides on Megatron-LM's tensor-parallel slot (DESIGN.md sections 6 and 7):
+TSP rides on Megatron-LM's tensor-parallel slot (docs/design.md section 6):
 
 * :func:`translate_argv` turns ``--tsp-size D`` into ``--tensor-model-parallel-size D
   --sequence-parallel --spec megatron_tsp.megatron_lm <spec>`` before Megatron-LM parses its

@@ -1,9 +1,12 @@
 """The overlap and error-path helpers every TSP schedule is built from."""
 
 import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_tsp.core import comm
-from megatron_tsp.core.streaming import OneBehind, ahead
+from megatron_tsp.core.streaming import _FP32_OUTPUT_MM, OneBehind, ahead, grad_product
 
 
 class Work:
@@ -48,3 +51,30 @@ def test_one_behind_hands_items_back_a_step_late_only_with_overlap():
     late, now = OneBehind(True), OneBehind(False)
     assert [late.swap(i) for i in range(3)] + [late.flush()] == [None, 0, 1, 2]
     assert [now.swap(i) for i in range(3)] + [now.flush()] == [0, 1, 2, None]
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.skipif(not _FP32_OUTPUT_MM, reason="torch < 2.8 has no GEMM with an fp32 output")
+def test_partial_weight_gradients_are_fp32_gemms_without_casts_where_the_planner_plans_a_gpu():
+    dy, x = torch.randn(64, 24), torch.randn(64, 16)
+    want = dy.t() @ x
+    low = dy.bfloat16(), x.bfloat16()
+    with _Ops() as real:  # a CPU has no fp32-output GEMM: it casts
+        got = grad_product(*low)
+    assert got.dtype == torch.float32 and "aten._to_copy.default" in real.ops
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+    with FakeTensorMode() as fake:  # the memory planner's tensors: the GPU's GEMM, no casts
+        planned_in = fake.from_tensor(low[0]), fake.from_tensor(low[1])
+        with _Ops() as planned:
+            out = grad_product(*planned_in)
+    data_ops = [op for op in planned.ops if not op.startswith("prim.")]  # prim: metadata queries
+    assert out.dtype == torch.float32 and data_ops == ["aten.t.default", "aten.mm.dtype"]

@@ -1,4 +1,4 @@
-"""Counted bytes of real code paths against DESIGN.md section 5 (megatron_tsp.measure.volumes).
+"""Counted bytes of real code paths against docs/design.md section 8 (megatron_tsp.measure.volumes).
 
 The planner's collective counts (torch.distributed wrapped, so TSP's and megatron's traffic
 alike) for L layers equal L times the per-layer formula plus the embedding and output

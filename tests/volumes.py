@@ -1,4 +1,4 @@
-"""Bytes received per rank per layer, from the formulas of DESIGN.md section 5.
+"""Bytes received per rank per layer, from the formulas of docs/design.md section 8.
 
 Written from the design, not from the code, so that the tests can hold the traffic of the
 real modules, counted by ``megatron_tsp.measure.counts``, against it (the performance model

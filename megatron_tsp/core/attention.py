@@ -12,7 +12,7 @@ ranks together:
     y_p      += block_attention(q, K_r, V_r) Wproj_r^T
 
 so ``y_p = sum_r attn_r(x_p) Wproj_r^T`` is the full attention output for p's tokens: no
-all-reduce. Backward (derived; DESIGN.md section 2) re-broadcasts W_r, re-gathers K_r, V_r
+all-reduce. Backward (derived; docs/design.md section 2) re-broadcasts W_r, re-gathers K_r, V_r
 (never saved full-length), reduce-scatters dK_r, dV_r to the token owners and reduces the
 partial dW_r of every rank to its owner r, both in fp32. Saved for backward: ``x_p``, this
 rank's own shards, and per head group the projection, attention output and log-sum-exp of

@@ -1,4 +1,4 @@
-"""Causal attention of zigzag query chunks as blocks merged by log-sum-exp (DESIGN.md s. 2).
+"""Causal attention of zigzag query chunks as blocks merged by log-sum-exp (docs/design.md s. 5).
 
 One op serves TSP and every baseline, so that a comparison is of parallelism, not of
 kernels. ``block_attention(q, k, v, chunk_ids, scale, backend)``: ``q`` holds ``n`` equal

@@ -8,7 +8,7 @@ error: a buffer must outlive its transfer, and a collective library must not be 
 work on freed memory.
 
 What a count means (:func:`traffic`) is the *logical* traffic of the primitive seen from one
-rank, the quantity of DESIGN.md section 5, independent of how the backend routes it;
+rank, the quantity of docs/design.md section 8, independent of how the backend routes it;
 :mod:`megatron_tsp.measure.counts` counts TSP's and megatron's collectives with it:
 
 ===================  ==================================  =================================

@@ -3,7 +3,7 @@
 Every rank normalises only its own tokens (TSP, and megatron's sequence parallelism), so a
 norm's weight gradient is a partial sum over the tensor-parallel group: its parameters must
 carry ``sequence_parallel=True`` for megatron's ``finalize_model_grads`` to all-reduce them
-(a norm without it silently diverges after the first step, DESIGN.md section 6).
+(a norm without it silently diverges after the first step, docs/design.md section 6).
 megatron-core 0.16.1's own torch fallback (``WrappedTorchNorm``) refuses sequence
 parallelism, so without TransformerEngine or apex the baselines use this norm too.
 """

@@ -1,6 +1,6 @@
 """TSP process groups beside TP, PP and DP.
 
-TSP occupies megatron-core's tensor-parallel slot (DESIGN.md section 6): to megatron-core a
+TSP occupies megatron-core's tensor-parallel slot (docs/design.md section 6): to megatron-core a
 TSP job of size D is ``tensor_model_parallel_size=D`` with sequence parallelism, so its
 data-parallel groups, DDP, optimizers, grad-norm de-duplication and checkpoint sharding
 all work unchanged. This module creates that layout and registers the group under its own

@@ -3,7 +3,7 @@
 A *shard* is the list of one rank's weight tensors of a layer (all of one dtype). On the wire
 it travels as one flat buffer (:func:`pack`); the receiver computes on views into it
 (:func:`unpack`). Each stream holds at most two shards of a layer, the one in use and the
-one in flight (DESIGN.md section 5); a caller that keeps a shard for one more step holds
+one in flight (docs/design.md section 9); a caller that keeps a shard for one more step holds
 three (TSP attention keeps group r's output projection while group r+1 projects).
 
 Every overlap in TSP is one pattern, :class:`ahead`: the transfer a step needs next is
@@ -22,6 +22,7 @@ from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import is_fake
 
 from megatron_tsp.core import comm
 
@@ -70,10 +71,12 @@ class OneBehind:
 def grad_product(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``dy^T x`` of 2-D tensors, accumulated and returned in fp32: one rank's partial weight
     gradient, to be summed over ranks before it is rounded. On a GPU the GEMM runs in the
-    inputs' precision with an fp32 output (``torch.mm(..., out_dtype=...)``, torch >= 2.8)."""
+    inputs' precision with an fp32 output (``torch.mm(..., out_dtype=...)``, torch >= 2.8);
+    a CPU has no such kernel and casts both inputs. The memory planner's fake tensors stand
+    for a GPU's, so they take the GPU's path: the bytes it counts are the GPU's."""
     if dy.dtype == torch.float32:
         return dy.t() @ x
-    if dy.is_cuda and _FP32_OUTPUT_MM:
+    if _FP32_OUTPUT_MM and (dy.is_cuda or is_fake(dy)):
         return torch.mm(dy.t(), x, out_dtype=torch.float32)
     return dy.t().float() @ x.float()
 

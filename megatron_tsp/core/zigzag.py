@@ -1,4 +1,4 @@
-"""Zigzag sequence layout (DESIGN.md section 4).
+"""Zigzag sequence layout (docs/design.md section 4).
 
 The sequence is cut into ``2D`` equal chunks; TSP rank ``r`` holds chunks ``r`` and
 ``2D-1-r``, so that every rank does the same causal-attention work (Megatron context

@@ -195,8 +195,8 @@ def totals(records: Records, key: str = "bytes_received") -> Dict[str, Dict[str,
 
 
 def by_phase(records: Records, key: str = "bytes_received") -> Dict[str, Dict[str, int]]:
-    """phase -> primitive -> bytes summed over groups (one layer's traffic, as DESIGN.md
-    section 5 tabulates it)."""
+    """phase -> primitive -> bytes summed over groups (one layer's traffic, as docs/design.md
+    section 8 tabulates it)."""
     out: Dict[str, Dict[str, int]] = defaultdict(lambda: defaultdict(int))
     for phases in records.values():
         for phase, prims in phases.items():

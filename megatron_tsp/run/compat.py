@@ -1,6 +1,6 @@
 """Run megatron-core 0.16.1 on CPU with gloo (opt-in, for tests and the CPU main job).
 
-megatron-core assumes CUDA in a handful of places (DESIGN.md section 8). Each place is
+megatron-core assumes CUDA in a handful of places (docs/design.md section 7). Each place is
 covered by one shim below, listed in ``SHIMS`` with the upstream location it covers, so
 that a megatron-core upgrade that moves the code fails loudly in ``enable_cpu_support()``
 instead of silently running the stock path.
@@ -128,7 +128,7 @@ SHIMS: Sequence[_Rewrite] = (
              (("pin_memory=True", "pin_memory=False"), (".cuda(non_blocking=True)", "")),
              "models/common/embeddings/rope_utils.py:62"),
     # Pipeline parallel with tied embeddings: the last stage's copy is moved to cuda before
-    # the first/last-stage all-reduce (not in DESIGN.md section 8's list).
+    # the first/last-stage all-reduce.
     _Rewrite("megatron.core.models.common.language_module.language_module",
              "LanguageModule.setup_embeddings_and_output_layer",
              (("weight.data = weight.data.cuda()", "weight.data = weight.data"),),
@@ -163,8 +163,7 @@ SHIMS: Sequence[_Rewrite] = (
              (("'torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor'",
                "'torch.HalfTensor', 'torch.BFloat16Tensor'"),),
              "optimizer/distrib_optimizer.py:582"),
-    # Optimizer state in the resharding checkpoint format is gathered on DP rank 0 via cuda
-    # (not in DESIGN.md section 8's list).
+    # Optimizer state in the resharding checkpoint format is gathered on DP rank 0 via cuda.
     _Rewrite("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.get_parameter_state_dp_zero",
              (("send_tensor = send_tensor.cuda()", "send_tensor = send_tensor"),),
              "optimizer/distrib_optimizer.py:1089"),

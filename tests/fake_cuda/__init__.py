@@ -113,7 +113,7 @@ def _bshd(t) -> bool:
 
 def install_kernel_contracts() -> None:
     """Wrap torch's GPU attention kernels with what their CUDA implementations assume of
-    their inputs and their meta functions do not check (DESIGN.md section 12): the
+    their inputs and their meta functions do not check (docs/design.md section 5): the
     log-sum-exp each backward reads, in the shape its forward wrote it, and the memory layout
     of ``out``/``grad_out`` (the memory-efficient backward reads them as ``[b, s, h, d]``
     tensors; cuDNN's wants both with the same strides)."""
