@@ -1,4 +1,5 @@
-"""``--tsp-size`` and ``--ring-mlp`` for Megatron-LM's ``pretrain_gpt.py`` (tag core_v0.16.1).
+"""``--tsp-size`` and ``--ring-mlp`` for Megatron-LM's ``pretrain_gpt.py`` (tags core_v0.16.1
+and core_v0.19.0; :mod:`megatron_tsp.versions` says what differs).
 
 TSP rides on Megatron-LM's tensor-parallel slot (docs/design.md section 6):
 
@@ -7,21 +8,24 @@ TSP rides on Megatron-LM's tensor-parallel slot (docs/design.md section 6):
   arguments, and rejects flags TSP does not support with one line naming the flag; beside
   ``--tensor-model-parallel-size D`` (with or without ``--sequence-parallel``),
   ``--ring-mlp`` keeps Megatron-LM's attention and puts TSP's ring MLP in the layers;
-* :func:`add_tsp_args` declares ``--tsp-size`` (``pretrain(extra_args_provider=...)``);
-* :func:`forward_step` is pretrain_gpt's, with the batch put into zigzag order;
-* :func:`model_provider` registers the TSP groups before building the model.
+* :func:`add_tsp_args` declares ``--tsp-size`` and ``--ring-mlp`` for Megatron-LM's parser;
+* :func:`zigzag_get_batch` wraps pretrain_gpt's ``get_batch`` so that its own
+  ``forward_step`` feeds the TSP ranks the batch in zigzag order;
+* the TSP groups are registered before the model is built (:func:`model_provider` on
+  0.16, the ``--spec`` object itself on 0.19).
 
 ``scripts/pretrain_gpt_tsp.py`` runs all of it with Megatron-LM's own ``pretrain``;
-``patches/pretrain_gpt_tsp.patch`` wires the same calls into a fork's ``pretrain_gpt.py``.
-Importing this module needs a Megatron-LM checkout on ``sys.path`` only for
-:func:`forward_step`, :func:`model_provider` and :func:`main`.
+``patches/<tag>/pretrain_gpt_tsp.patch`` wires the same calls into a fork's ``pretrain_gpt.py``;
+``python -m megatron_tsp.megatron_lm_run SCRIPT [FLAGS]`` runs any Megatron-LM script (the
+stock or a patched ``pretrain_gpt.py``) on this machine's device, the CPU included.
 """
 
 from __future__ import annotations
 
-from functools import partial
+from functools import wraps
 from typing import List, Optional
 
+from megatron_tsp import versions
 from megatron_tsp.core.parallel_state import adopt_megatron_groups
 from megatron_tsp.core.sizes import ParallelSizes
 from megatron_tsp.core.spec import get_gpt_layer_tsp_spec, with_ring_mlp
@@ -29,26 +33,39 @@ from megatron_tsp.core.support import RULES, require, violations
 from megatron_tsp.core.zigzag import zigzag_batch
 from megatron_tsp.env import transformer_engine_version
 
-# `--spec megatron_tsp.megatron_lm <name>`: Megatron-LM imports these objects as they are.
-layer_spec = get_gpt_layer_tsp_spec()
-layer_spec_qk_layernorm = get_gpt_layer_tsp_spec(qk_layernorm=True)
-RING_SPECS = {"ring_layer_spec": False, "ring_layer_spec_qk_layernorm": True}  # name -> qk_layernorm
+
+def _register_groups() -> None:
+    """Register the TSP groups (or the ring MLP's communicator) on the parallel state
+    Megatron-LM initialised: collective, before the model is built."""
+    from megatron.training import get_args
+
+    args = get_args()
+    if args.tsp_size > 1 or args.ring_mlp:
+        adopt_megatron_groups(args.tsp_size, ring_mlp=args.ring_mlp)
 
 
-def __getattr__(name: str):
-    """The ring MLP's layer specs, built when Megatron-LM imports them: Megatron-LM's own
-    layer (TransformerEngine's where it is installed, else its local one) with TSP's ring MLP."""
-    if name not in RING_SPECS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+def _ring_spec(qk_layernorm: bool, transformer_engine: bool):
+    """Megatron-LM's own layer (TransformerEngine's or its local one) with TSP's ring MLP."""
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
     )
 
-    qk = RING_SPECS[name]
-    stock = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk) if transformer_engine_version() \
-        else get_gpt_layer_local_spec(qk_layernorm=qk)
+    stock = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm) if transformer_engine \
+        else get_gpt_layer_local_spec(qk_layernorm=qk_layernorm)
     return with_ring_mlp(stock)
+
+
+# `--spec megatron_tsp.megatron_lm <name>`: Megatron-LM looks these up in the module's namespace.
+# The ring MLP's plain names use TransformerEngine's layer where it is installed (Megatron-LM's
+# default --transformer-impl), the `_local` ones megatron's local layer.
+_HAS_TE = transformer_engine_version() is not None
+layer_spec = versions.spec_object(get_gpt_layer_tsp_spec(), _register_groups)
+layer_spec_qk_layernorm = versions.spec_object(get_gpt_layer_tsp_spec(qk_layernorm=True), _register_groups)
+ring_layer_spec = versions.spec_object(_ring_spec(False, _HAS_TE), _register_groups)
+ring_layer_spec_qk_layernorm = versions.spec_object(_ring_spec(True, _HAS_TE), _register_groups)
+ring_layer_spec_local = versions.spec_object(_ring_spec(False, False), _register_groups)
+ring_layer_spec_qk_layernorm_local = versions.spec_object(_ring_spec(True, False), _register_groups)
 
 
 def _value(argv: List[str], flag: str) -> Optional[str]:
@@ -58,6 +75,16 @@ def _value(argv: List[str], flag: str) -> Optional[str]:
         if arg.startswith(flag + "="):
             return arg.split("=", 1)[1]
     return None
+
+
+def _int(argv: List[str], flag: str, default: int) -> int:
+    value = _value(argv, flag)
+    if value is None:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise SystemExit(f"{flag} {value}: not a whole number; give {flag} an integer such as 2") from None
 
 
 def _present(argv: List[str], flag: str) -> bool:
@@ -71,7 +98,7 @@ def _given(argv: List[str]):
 
 
 def _ring_argv(argv: List[str]) -> List[str]:
-    tp = int(_value(argv, "--tensor-model-parallel-size") or 1)
+    tp = _int(argv, "--tensor-model-parallel-size", 1)
     if tp < 2:
         raise SystemExit("--ring-mlp needs --tensor-model-parallel-size 2 or more (it rotates the MLP's weight "
                          "shards over the tensor-parallel ranks); set one, or use --tsp-size")
@@ -80,14 +107,15 @@ def _ring_argv(argv: List[str]) -> List[str]:
     for message in violations(_given(argv), tp, ("all", "mlp"), under="--ring-mlp"):
         raise SystemExit(message)
     spec = "ring_layer_spec_qk_layernorm" if _present(argv, "--qk-layernorm") else "ring_layer_spec"
+    if _value(argv, "--transformer-impl") == "local":
+        spec += "_local"
     return list(argv) + ["--spec", "megatron_tsp.megatron_lm", spec]
 
 
 def translate_argv(argv: List[str]) -> List[str]:
     """Map ``--tsp-size D`` onto Megatron-LM's tensor-parallel slot, or ``--ring-mlp`` onto the
     ring MLP's layer spec; ``argv[0]`` is kept."""
-    size = _value(argv, "--tsp-size")
-    tsp = int(size) if size is not None else 1
+    tsp = _int(argv, "--tsp-size", 1)
     try:
         ParallelSizes(tsp=tsp).validate()
     except ValueError as exc:
@@ -133,53 +161,47 @@ def chain_args_providers(*providers):
     return provider
 
 
-def forward_step(data_iterator, model, return_schedule_plan: bool = False):
-    """pretrain_gpt's forward step with the batch in zigzag order for the TSP ranks."""
-    import pretrain_gpt
-    from megatron.core.utils import get_attr_wrapped_model
-    from megatron.training import get_args
+def zigzag_get_batch(get_batch):
+    """pretrain_gpt's ``get_batch``, returning the sequence-shaped tensors in zigzag order
+    under TSP (``--tsp-size`` > 1), so that pretrain_gpt's own ``forward_step`` feeds each
+    TSP rank its two chunks (docs/design.md section 4). The names of what it returns are
+    read from its module (:func:`megatron_tsp.versions.batch_names`)."""
+    names = versions.batch_names(get_batch.__globals__)
 
-    require("--overlap-moe-expert-parallel-comm", return_schedule_plan, get_args().tsp_size, "forward_step")
-    vp_stage = get_attr_wrapped_model(model, "vp_stage")
-    tokens, labels, loss_mask, attention_mask, position_ids, packed = pretrain_gpt.get_batch(data_iterator, vp_stage)
-    require("--sft", packed is not None, get_args().tsp_size, "forward_step")
-    batch = zigzag_batch(dict(tokens=tokens, labels=labels, loss_mask=loss_mask,
-                              attention_mask=attention_mask, position_ids=position_ids),
-                         get_args().tsp_size)
-    output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
-                   labels=batch["labels"], loss_mask=batch["loss_mask"])
-    return output, partial(pretrain_gpt.loss_func, batch["loss_mask"], model=model)
+    @wraps(get_batch)
+    def get_batch_in_zigzag_order(data_iterator, vp_stage=None):
+        from megatron.training import get_args
+
+        values = get_batch(data_iterator, vp_stage)
+        tsp_size = get_args().tsp_size
+        if tsp_size == 1:
+            return values
+        batch = dict(zip(names, values))
+        packed = batch.get("packed_seq_params", batch.get("cu_seqlens"))
+        require("--sft", packed is not None, tsp_size, "get_batch")
+        batch.update(zigzag_batch({k: batch.get(k) for k in ("tokens", "labels", "loss_mask", "attention_mask",
+                                                              "position_ids")}, tsp_size))
+        return type(values)(batch[name] for name in names)
+
+    return get_batch_in_zigzag_order
 
 
 def model_provider(*args, **kwargs):
     """Megatron-LM's model provider (gpt_builder), after registering the TSP groups (or the
-    ring MLP's communicator)."""
+    ring MLP's communicator). Megatron-LM 0.16's ``pretrain`` builds through it; 0.19's
+    ignores model providers (the ``--spec`` object registers the groups there)."""
     from gpt_builders import gpt_builder
-    from megatron.training import get_args
     from model_provider import model_provider as megatron_model_provider
 
-    args = get_args()
-    if args.tsp_size > 1 or args.ring_mlp:
-        adopt_megatron_groups(args.tsp_size, ring_mlp=args.ring_mlp)
+    _register_groups()
     return megatron_model_provider(gpt_builder, *args, **kwargs)
 
 
 def main() -> None:
     """What pretrain_gpt.py's ``__main__`` does, with TSP's pieces (argv already translated)."""
     import pretrain_gpt
-    from megatron.core.enums import ModelType
-    from megatron.training import inprocess_restart, pretrain
 
-    pretrain_gpt.train_valid_test_datasets_provider.is_distributed = True
-    run, store = inprocess_restart.maybe_wrap_for_inprocess_restart(pretrain)
+    pretrain_gpt.get_batch = zigzag_get_batch(pretrain_gpt.get_batch)
     modelopt = pretrain_gpt.add_modelopt_args if pretrain_gpt.has_nvidia_modelopt else None
-    run(
-        pretrain_gpt.train_valid_test_datasets_provider,
-        model_provider,
-        ModelType.encoder_or_decoder,
-        forward_step,
-        args_defaults={"tokenizer_type": "GPT2BPETokenizer"},
-        extra_args_provider=chain_args_providers(add_tsp_args, modelopt),
-        store=store,
-        get_embedding_ranks=pretrain_gpt.get_embedding_ranks,
-    )
+    versions.run_pretrain_gpt(pretrain_gpt, model_provider, pretrain_gpt.forward_step,
+                              chain_args_providers(add_tsp_args, modelopt))

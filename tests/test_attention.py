@@ -48,7 +48,8 @@ def _build(tsp_size, dtype, groups, qkv_bias, proj_bias, qk_norm, overlap=True):
     stock module's unfused attention: what is tested here is the TSP schedule; the flash
     kernel's own bf16 rounding is tested against float64 with the op."""
     ref_cfg, tsp_cfg = configs(tsp_size, dtype, hidden_size=HIDDEN, num_attention_heads=HEADS,
-                               num_query_groups=groups, add_bias_linear=proj_bias, add_qkv_bias=qkv_bias)
+                               num_query_groups=groups, add_bias_linear=proj_bias, add_qkv_bias=qkv_bias,
+                               qk_layernorm=qk_norm)
     solo = solo_pg_collection()
     torch.manual_seed(0)
     ref = SelfAttention(ref_cfg, _submodules(qk_norm), layer_number=1,

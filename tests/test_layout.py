@@ -11,13 +11,15 @@ PACKAGE = os.path.join(ROOT, "megatron_tsp")
 # what each part may import from megatron_tsp (besides itself)
 ALLOWED = {
     "core": {"env", "errors"},
-    "run": {"core", "device", "env", "errors"},
-    "measure": {"core", "run", "device", "env", "errors"},
+    "run": {"core", "device", "env", "errors", "versions"},
+    "measure": {"core", "run", "device", "env", "errors", "versions"},
     "device": set(),
     "env": {"device"},
     "errors": set(),
-    "megatron_lm": {"core", "env"},
-    "cli": {"core", "run", "measure", "device", "env", "errors"},
+    "versions": set(),
+    "megatron_lm": {"core", "env", "versions"},
+    "megatron_lm_run": {"device", "run", "versions"},
+    "cli": {"core", "run", "measure", "device", "env", "errors", "versions"},
     "__init__": set(),  # names only, imported lazily by string
 }
 

@@ -64,10 +64,13 @@ class TSPSelfAttention(SelfAttention):
         overlap_comm: bool = True,
         attention_backend: str = "auto",
         zigzag_indices: Optional[zigzag.IndexCache] = None,
+        **layer_kwargs,
     ):
         group, weight_group = resolve_tsp_groups(pg_collection)
         check_attention_config(config, group.size(), attn_mask_type)
-        super().__init__(config, submodules, layer_number, attn_mask_type, cp_comm_type, pg_collection)
+        # layer_kwargs: what the running megatron-core's TransformerLayer passes beyond these
+        # (0.19: name, pp_layer_offset), for SelfAttention to take as it does
+        super().__init__(config, submodules, layer_number, attn_mask_type, cp_comm_type, pg_collection, **layer_kwargs)
         if self.tp_group.size() != group.size():
             raise ValueError("TSPSelfAttention: pg_collection.tp must be the TSP group")
         self.tsp_group = group

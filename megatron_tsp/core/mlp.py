@@ -58,13 +58,22 @@ class TSPMLP(MLP):
         ffn_hidden_size: Optional[int] = None,
         tp_group: Optional[torch.distributed.ProcessGroup] = None,
         overlap_comm: bool = True,
+        pg_collection=None,
+        is_mtp_layer: bool = False,
+        **layer_kwargs,
     ):
-        group, weight_group = resolve_ring_groups(group=tp_group)
+        """``pg_collection``, ``is_mtp_layer`` and ``layer_kwargs`` are what the running
+        megatron-core's ``TransformerLayer`` passes its MLP (0.19: all three, ``name`` among
+        the last; 0.16: none). A collection with a ``.tsp`` group names the ring's group;
+        megatron's default collection does not, and the registered groups apply."""
+        group, weight_group = resolve_ring_groups(group=tp_group if tp_group is not None
+                                                  else getattr(pg_collection, "tsp", None))
         self.under = "--tsp-size" if is_tsp_group(group) else "--ring-mlp"
         require("--num-experts", is_expert, group.size(), "TSPMLP", self.under)
+        require("--mtp-num-layers", is_mtp_layer, group.size(), "TSPMLP", self.under)
         ffn_hidden_size = ffn_hidden_size or config.ffn_hidden_size
         check_mlp_config(config, group.size(), ffn_hidden_size, self.under)
-        super().__init__(config, submodules, False, input_size, ffn_hidden_size, group)
+        super().__init__(config, submodules, False, input_size, ffn_hidden_size, group, **layer_kwargs)
         self.tsp_group = group
         self.weight_group = weight_group
         self.overlap_comm = overlap_comm

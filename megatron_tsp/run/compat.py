@@ -7,7 +7,7 @@ instead of silently running the stock path.
 
 Two kinds of shim:
 
-* ``_Rewrite``: the named function's source with literal replacements (``device="cuda"``
+* :class:`Rewrite`: the named function's source with literal replacements (``device="cuda"``
   becomes ``device="cpu"``, a ``torch.cuda.FloatTensor`` type check accepts its CPU twin).
   The function is recompiled in its own module's globals, so nothing else about it changes.
 * a few direct replacements (``torch.cuda.current_device`` names the CPU, the RNG tracker
@@ -22,6 +22,7 @@ on a GPU never does, and runs megatron-core unchanged. On the CPU every shim onl
 from __future__ import annotations
 
 import ast
+import contextlib
 import importlib
 import inspect
 import sys
@@ -31,19 +32,28 @@ from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import torch
 
+from megatron_tsp import versions
+
 _ENABLED = False
 
 
 @dataclass(frozen=True)
-class _Rewrite:
-    """Recompile ``module.qualname`` with each ``old`` string replaced by ``new``."""
+class Rewrite:
+    """Recompile ``module.qualname`` with each ``old`` string replaced by ``new``, on the
+    megatron-core releases of ``versions`` ((major, minor) pairs; empty: every supported one)."""
 
     module: str
     qualname: str
     replacements: Tuple[Tuple[str, str], ...]
-    upstream: str  # file:line in megatron/core 0.16.1, for the reader
+    upstream: str  # file:line upstream (0.16.1 where not said), for the reader
+    versions: Tuple[Tuple[int, int], ...] = ()
+
+    def applies(self) -> bool:
+        return not self.versions or versions.mcore() in self.versions
 
     def apply(self) -> None:
+        if not self.applies():
+            return
         mod = importlib.import_module(self.module)
         owner, name = _resolve_owner(mod, self.qualname)
         raw = inspect.getattr_static(owner, name)
@@ -68,6 +78,49 @@ class _Rewrite:
             rebind_in_megatron({id(func): new_func})
 
 
+@dataclass(frozen=True)
+class RewriteEach:
+    """:class:`Rewrite` of every function and method defined in ``module`` whose source holds
+    one of the ``old`` strings (at least one must), on the megatron-core releases of
+    ``versions``: for the modules that spell the device the same way in many places."""
+
+    module: str
+    replacements: Tuple[Tuple[str, str], ...]
+    versions: Tuple[Tuple[int, int], ...] = ()
+
+    def apply(self) -> None:
+        if self.versions and versions.mcore() not in self.versions:
+            return
+        mod = importlib.import_module(self.module)
+        found = 0
+        for qualname, func in _functions(mod):
+            try:
+                src = inspect.getsource(func)
+            except (OSError, TypeError):  # built without source (e.g. a C extension's)
+                continue
+            hits = tuple((old, new) for old, new in self.replacements if old in src)
+            if hits:
+                Rewrite(self.module, qualname, hits, self.module).apply()
+                found += 1
+        if not found:
+            raise RuntimeError(f"megatron_tsp.run.compat: none of {[old for old, _ in self.replacements]} in "
+                               f"{self.module}; this megatron-core version is not supported on CPU")
+
+
+def _functions(mod):
+    """(qualname, function) of every function and method ``mod`` defines itself."""
+    for name, obj in list(vars(mod).items()):
+        if getattr(obj, "__module__", None) != mod.__name__:
+            continue
+        if inspect.isfunction(obj):
+            yield name, obj
+        elif inspect.isclass(obj):
+            for attr, member in list(vars(obj).items()):
+                func = member.__func__ if isinstance(member, (classmethod, staticmethod)) else member
+                if inspect.isfunction(func):
+                    yield f"{name}.{attr}", func
+
+
 def _resolve_owner(mod, qualname: str):
     parts = qualname.split(".")
     owner = mod
@@ -77,14 +130,16 @@ def _resolve_owner(mod, qualname: str):
 
 
 def _compile_like(func: Callable, src: str, cls) -> Callable:
-    """Compile ``src`` (one ``def``, decorators stripped) with ``func``'s globals.
+    """Compile ``src`` (one ``def``) with ``func``'s globals; its decorators are applied again,
+    but for ``classmethod`` and ``staticmethod``, which the caller re-applies.
 
     Methods are compiled inside a factory that binds ``__class__`` so that zero-argument
     ``super()`` keeps working.
     """
     tree = ast.parse(src)
     fdef = tree.body[0]
-    fdef.decorator_list = []  # classmethod/staticmethod are re-applied by the caller
+    fdef.decorator_list = [d for d in fdef.decorator_list
+                           if not (isinstance(d, ast.Name) and d.id in ("classmethod", "staticmethod"))]
     body = ast.unparse(fdef)
     factory = "def __tsp_factory__(__class__):\n" + textwrap.indent(body, "    ")
     factory += f"\n    return {fdef.name}\n"
@@ -117,25 +172,25 @@ def rebind_in_megatron(replacements: Dict[int, Any]) -> List[Tuple[Any, str, Any
 _CUDA = '"cuda"'
 _CUDA_Q = "'cuda'"
 
-SHIMS: Sequence[_Rewrite] = (
+SHIMS: Sequence[Rewrite] = (
     # Causal masks are built on cuda.
-    _Rewrite("megatron.core.transformer.utils", "get_default_causal_mask",
+    Rewrite("megatron.core.transformer.utils", "get_default_causal_mask",
              ((f"device={_CUDA}", 'device="cpu"'),), "transformer/utils.py:35"),
-    _Rewrite("megatron.core.transformer.utils", "get_sliding_window_causal_mask",
+    Rewrite("megatron.core.transformer.utils", "get_sliding_window_causal_mask",
              ((f"device={_CUDA}", 'device="cpu"'),), "transformer/utils.py:40"),
     # Context-parallel RoPE slice: pinned memory and .cuda().
-    _Rewrite("megatron.core.models.common.embeddings.rope_utils", "get_pos_emb_on_this_cp_rank",
+    Rewrite("megatron.core.models.common.embeddings.rope_utils", "get_pos_emb_on_this_cp_rank",
              (("pin_memory=True", "pin_memory=False"), (".cuda(non_blocking=True)", "")),
              "models/common/embeddings/rope_utils.py:62"),
     # Pipeline parallel with tied embeddings: the last stage's copy is moved to cuda before
     # the first/last-stage all-reduce.
-    _Rewrite("megatron.core.models.common.language_module.language_module",
+    Rewrite("megatron.core.models.common.language_module.language_module",
              "LanguageModule.setup_embeddings_and_output_layer",
              (("weight.data = weight.data.cuda()", "weight.data = weight.data"),),
              "models/common/language_module/language_module.py:244"),
     # Token counters of the pipeline schedules.
     *(
-        _Rewrite("megatron.core.pipeline_parallel.schedules", name,
+        Rewrite("megatron.core.pipeline_parallel.schedules", name,
                  ((f"device={_CUDA}", 'device="cpu"'),), f"pipeline_parallel/schedules.py:{line}")
         for name, line in (
             ("forward_backward_no_pipelining", 596),
@@ -144,42 +199,45 @@ SHIMS: Sequence[_Rewrite] = (
         )
     ),
     # Optimizer scalars and dtype checks spelled with torch.cuda.* type names.
-    _Rewrite("megatron.core.optimizer.optimizer", "MixedPrecisionOptimizer.__init__",
+    Rewrite("megatron.core.optimizer.optimizer", "MixedPrecisionOptimizer.__init__",
              ((f"device={_CUDA_Q}", "device='cpu'"),), "optimizer/optimizer.py:473-485"),
-    _Rewrite("megatron.core.optimizer.optimizer", "Float16OptimizerWithFloat16Params.__init__",
+    Rewrite("megatron.core.optimizer.optimizer", "Float16OptimizerWithFloat16Params.__init__",
              (("'torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor'",
                "'torch.HalfTensor', 'torch.BFloat16Tensor'"),
               ("== 'torch.cuda.FloatTensor'", "== 'torch.FloatTensor'")),
              "optimizer/optimizer.py:671/690"),
-    _Rewrite("megatron.core.optimizer.optimizer", "FP32Optimizer.__init__",
+    # 0.19: whether a rank holds parameters of a grad-norm group, agreed over the ranks.
+    Rewrite("megatron.core.optimizer.optimizer", "MegatronOptimizer.has_grad_norm_group",
+            ((f"device={_CUDA_Q}", "device='cpu'"),), "optimizer/optimizer.py:315 (0.19)", ((0, 19),)),
+    Rewrite("megatron.core.optimizer.optimizer", "FP32Optimizer.__init__",
              ((f"device={_CUDA_Q}", "device='cpu'"),), "optimizer/optimizer.py:907"),
-    _Rewrite("megatron.core.optimizer.distrib_optimizer",
+    Rewrite("megatron.core.optimizer.distrib_optimizer",
              "DistributedOptimizer._build_model_and_main_param_groups",
              (("'torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor'",
                "'torch.HalfTensor', 'torch.BFloat16Tensor'"),
               ("== 'torch.cuda.FloatTensor'", "== 'torch.FloatTensor'")),
              "optimizer/distrib_optimizer.py:361/420"),
-    _Rewrite("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.__init__",
+    Rewrite("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.__init__",
              (("'torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor'",
                "'torch.HalfTensor', 'torch.BFloat16Tensor'"),),
              "optimizer/distrib_optimizer.py:582"),
     # Optimizer state in the resharding checkpoint format is gathered on DP rank 0 via cuda.
-    _Rewrite("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.get_parameter_state_dp_zero",
+    Rewrite("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.get_parameter_state_dp_zero",
              (("send_tensor = send_tensor.cuda()", "send_tensor = send_tensor"),),
              "optimizer/distrib_optimizer.py:1089"),
     # Gradient norm and clipping.
-    _Rewrite("megatron.core.optimizer.clip_grads", "get_grad_norm_fp32",
+    Rewrite("megatron.core.optimizer.clip_grads", "get_grad_norm_fp32",
              ((f"device={_CUDA_Q}", "device='cpu'"),), "optimizer/clip_grads.py:90/103/115"),
-    _Rewrite("megatron.core.optimizer.clip_grads", "clip_grad_by_total_norm_fp32",
+    Rewrite("megatron.core.optimizer.clip_grads", "clip_grad_by_total_norm_fp32",
              ((f"device={_CUDA_Q}", "device='cpu'"),
               ("== 'torch.cuda.FloatTensor'", "== 'torch.FloatTensor'")),
              "optimizer/clip_grads.py:167/174"),
-    _Rewrite("megatron.core.optimizer.clip_grads", "count_zeros_fp32",
+    Rewrite("megatron.core.optimizer.clip_grads", "count_zeros_fp32",
              ((f"device={_CUDA_Q}", "device='cpu'"),), "optimizer/clip_grads.py:207"),
-    _Rewrite("megatron.core.utils", "local_multi_tensor_l2_norm",
+    Rewrite("megatron.core.utils", "local_multi_tensor_l2_norm",
              ((f"device={_CUDA}", 'device="cpu"'),), "utils.py:1207"),
     # The CUDA RNG tracker: same bookkeeping, CPU generator.
-    _Rewrite("megatron.core.tensor_parallel.random", "CudaRNGStatesTracker.add",
+    Rewrite("megatron.core.tensor_parallel.random", "CudaRNGStatesTracker.add",
              (("torch.cuda.get_rng_state()", "torch.get_rng_state()"),
               ("torch.cuda.manual_seed(seed)", "torch.manual_seed(seed)")),
              "tensor_parallel/random.py:235"),
@@ -189,16 +247,16 @@ SHIMS: Sequence[_Rewrite] = (
 # megatron-core 0.16.1 checkpoints the DistributedOptimizer assuming TransformerEngine's or
 # apex's Adam. On torch's Adam (every CPU, and GPUs without either) the per-parameter state
 # also holds a "step" tensor, which loading gets wrong twice.
-TORCH_ADAM_SHIMS: Sequence[_Rewrite] = (
+TORCH_ADAM_SHIMS: Sequence[Rewrite] = (
     # The resharding format has no per-parameter "step" (it comes from the param groups).
-    _Rewrite("megatron.core.optimizer.distrib_optimizer",
+    Rewrite("megatron.core.optimizer.distrib_optimizer",
              "DistributedOptimizer._set_main_param_and_optimizer_states",
              (("dst_tensors[key].copy_(tensors[key])",
                "if key != 'step': dst_tensors[key].copy_(tensors[key])"),),
              "optimizer/distrib_optimizer.py:940"),
     # One "step" tensor was shared by every parameter, so torch's Adam advanced it once
     # per parameter per step and the bias correction drifted after a resume.
-    _Rewrite("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.load_state_dict",
+    Rewrite("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.load_state_dict",
              (('s["step"] = step', 's["step"] = step.clone()'),),
              "optimizer/distrib_optimizer.py:820"),
 )
@@ -234,6 +292,34 @@ def _cpu_current_device() -> torch.device:
 
 def _cpu_synchronize(device=None) -> None:
     """CPU work is synchronous: nothing to wait for."""
+
+
+class CPUStream:
+    """Stands in for ``torch.cuda.Stream`` and ``torch.cuda.current_stream()`` on the CPU,
+    where work is synchronous: there is nothing to order or wait for."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return event
+
+    def synchronize(self) -> None:
+        pass
+
+
+def _cpu_current_stream(device=None) -> CPUStream:
+    return CPUStream()
+
+
+def _cpu_stream(stream=None):
+    return contextlib.nullcontext()
 
 
 def _patch_rng() -> None:
@@ -294,6 +380,11 @@ def enable_cpu_support() -> None:
     # pipeline_parallel/p2p_communication.py:242/398 (batch_p2p_sync) and DDP's
     # free/allocate paths call torch.cuda.synchronize().
     torch.cuda.synchronize = _cpu_synchronize
+    # distributed/param_and_grad_buffer.py (0.19: start_grad_sync), distributed_data_parallel.py
+    # and Megatron-LM's training.py order work on CUDA streams.
+    torch.cuda.Stream = CPUStream
+    torch.cuda.current_stream = _cpu_current_stream
+    torch.cuda.stream = _cpu_stream
     _patch_rng()
     _patch_torch_norm()
     for shim in SHIMS:

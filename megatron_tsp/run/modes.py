@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, Optional, Tuple
 
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
-from megatron.core.utils import get_batch_on_this_cp_rank
 
+from megatron_tsp import versions
 from megatron_tsp.core.baselines import get_gpt_block_baseline_spec
 from megatron_tsp.core.sizes import DEFAULT_CP, ParallelSizes
 from megatron_tsp.core.spec import get_gpt_block_tsp_spec, with_ring_mlp
@@ -81,7 +81,7 @@ class Mode:
         if self.tsp_layers and args.tsp_size > 1:
             return lambda b: zigzag_batch(b, args.tsp_size)
         if args.context_parallel_size > 1:
-            return get_batch_on_this_cp_rank
+            return versions.context_parallel_slice
         return None
 
     def overlapped(self, transformer_engine: bool, overlap_grad_reduce: bool) -> Tuple[str, ...]:
