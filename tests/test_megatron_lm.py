@@ -1,23 +1,147 @@
-"""Megatron-LM integration: --tsp-size onto the tensor-parallel slot.
+"""Megatron-LM integration: ``--tsp-size`` onto the tensor-parallel slot, run through
+Megatron-LM's own ``pretrain()`` on 2 gloo ranks, from the Megatron-LM tree whose tag pairs with
+the installed megatron-core (``MEGATRON_LM_PATH``, default ``../shared/megatron-lm/<tag>``).
 
-The argument translation is tested everywhere; parsing with a real Megatron-LM checkout
-(tag core_v0.16.1) and applying the patch run when MEGATRON_LM_PATH points to one.
+Each run is one ``torchrun`` of a tiny model for 6 iterations (about 12 s): Megatron-LM keeps
+one run's state in module globals (arguments, timers, microbatch calculator, rerun state
+machine), so runs do not share worker processes. Megatron-LM's iteration lines print 7
+significant digits, finer than the 1e-5 compared here.
 """
 
 import os
+import re
 import shutil
 import subprocess
 import sys
+import sysconfig
 
 import pytest
 from conftest import ROOT
 
-from megatron_tsp import megatron_lm
+from megatron_tsp import megatron_lm, versions
+from megatron_tsp.run.compat_megatron_lm import CPU_FLAGS
 
-MEGATRON_LM = os.environ.get("MEGATRON_LM_PATH")
-needs_megatron_lm = pytest.mark.skipif(
-    not MEGATRON_LM or not os.path.isfile(os.path.join(MEGATRON_LM or "", "pretrain_gpt.py")),
-    reason="set MEGATRON_LM_PATH to a Megatron-LM core_v0.16.1 checkout")
+TAG = versions.SUPPORTED[versions.mcore()][1]
+MEGATRON_LM = os.environ.get("MEGATRON_LM_PATH") or os.path.join(os.path.dirname(ROOT), "shared", "megatron-lm", TAG)
+ITERS, SAVED = 6, 3
+MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+         "--max-position-embeddings", "64", "--position-embedding-type", "rope", "--attention-dropout", "0",
+         "--hidden-dropout", "0", "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", str(ITERS),
+         "--lr", "1e-3", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
+         "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "0", *CPU_FLAGS]
+TP_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+
+
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory):
+    """A writable copy of the Megatron-LM tree, with megatron-core's dataset helpers built for
+    this Python (Megatron-LM compiles them into its own tree at start)."""
+    if not os.path.isfile(os.path.join(MEGATRON_LM, "pretrain_gpt.py")):
+        pytest.fail(f"no Megatron-LM tree at {MEGATRON_LM}: set MEGATRON_LM_PATH to a {TAG} checkout")
+    problem = versions.checkout_problem(MEGATRON_LM)
+    assert problem is None, problem
+    copy = tmp_path_factory.mktemp("megatron-lm") / TAG
+    shutil.copytree(MEGATRON_LM, copy)
+    for folder, _, files in os.walk(copy):
+        os.chmod(folder, 0o755)
+        for name in files:
+            os.chmod(os.path.join(folder, name), 0o644)
+    _build_dataset_helpers(copy / "megatron" / "core" / "datasets")
+    return copy
+
+
+def _build_dataset_helpers(folder):
+    """The installed megatron-core's build when its source is the tree's, byte for byte;
+    otherwise a build with pybind11, as Megatron-LM's Makefile does it."""
+    import megatron.core.datasets as installed
+
+    suffix = sysconfig.get_config_var("EXT_SUFFIX")
+    target = folder / f"helpers_cpp{suffix}"
+    theirs = os.path.dirname(installed.__file__)
+    built = os.path.join(theirs, f"helpers_cpp{suffix}")
+    with open(folder / "helpers.cpp", "rb") as a, open(os.path.join(theirs, "helpers.cpp"), "rb") as b:
+        same = a.read() == b.read()
+    if same and os.path.isfile(built):
+        shutil.copy(built, target)
+        return
+    includes = subprocess.run([sys.executable, "-m", "pybind11", "--includes"], capture_output=True, text=True)
+    assert includes.returncode == 0, "building Megatron-LM's dataset helpers needs pybind11: pip install pybind11"
+    subprocess.run(["c++", "-O3", "-shared", "-std=c++17", "-fPIC", *includes.stdout.split(), "helpers.cpp",
+                    "-o", target.name], cwd=folder, check=True, timeout=300)
+
+
+def _pretrain(tree, script, *flags, timeout=600):
+    """One 2-rank torchrun of ``script`` (``pretrain_gpt_tsp.py``, or a pretrain_gpt.py run by
+    ``megatron_tsp.megatron_lm_run``): {iteration: lm loss}, and the arguments it printed."""
+    entry = [os.path.join(ROOT, "scripts", "pretrain_gpt_tsp.py")] if script is None else \
+        ["-m", "megatron_tsp.megatron_lm_run", str(script)]
+    env = dict(os.environ, MEGATRON_LM_PATH=str(tree), OMP_NUM_THREADS="1",
+               # Megatron-LM's Makefile names the helpers after `python3-config`, which may be
+               # another Python's: name them after this one's, which _build_dataset_helpers built
+               MAKEFLAGS=f"LIBEXT={sysconfig.get_config_var('EXT_SUFFIX')}")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *entry,
+           *MODEL, *flags]
+    out = subprocess.run(cmd, cwd=str(tree), env=env, capture_output=True, text=True, timeout=timeout)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-5000:]
+    losses = {int(m.group(1)): float(m.group(2))
+              for m in re.finditer(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+)", text)}
+    printed = dict(re.findall(r"^  (\w+) \.+ (.*)$", out.stdout, re.M))
+    return losses, printed
+
+
+def _close(a, b, rtol=1e-5):
+    assert sorted(a) == sorted(b), (a, b)
+    for it in a:
+        assert abs(a[it] - b[it]) <= rtol * abs(b[it]), f"iteration {it}: {a[it]} vs {b[it]}"
+
+
+@pytest.fixture(scope="module")
+def stock(tree):
+    return _pretrain(tree, tree / "pretrain_gpt.py", *TP_SP)
+
+
+@pytest.fixture(scope="module")
+def tsp(tree, tmp_path_factory):
+    ckpt = tmp_path_factory.mktemp("tsp-ckpt")
+    losses, printed = _pretrain(tree, None, "--tsp-size", "2", "--save", str(ckpt), "--save-interval", str(SAVED))
+    return losses, printed, ckpt
+
+
+def test_tsp_through_pretrain_equals_stock_tp_sp(stock, tsp):
+    (stock_losses, _), (tsp_losses, printed, _) = stock, tsp
+    assert sorted(tsp_losses) == list(range(1, ITERS + 1))
+    assert (printed["tsp_size"], printed["tensor_model_parallel_size"], printed["sequence_parallel"]) == \
+        ("2", "2", "True")
+    assert printed["spec"] == "['megatron_tsp.megatron_lm', 'layer_spec']"
+    _close(tsp_losses, stock_losses)
+
+
+def test_ring_mlp_through_pretrain_equals_stock_tp_sp(tree, stock):
+    losses, printed = _pretrain(tree, None, *TP_SP, "--ring-mlp")
+    assert printed["spec"] == "['megatron_tsp.megatron_lm', 'ring_layer_spec_local']"
+    _close(losses, stock[0])
+
+
+def test_a_load_continues_the_uninterrupted_run(tree, tsp):
+    """Resumed from iteration 3, iterations 4-6 are the uninterrupted run's. Megatron-LM
+    prints a run's first iteration without resetting its loss sums, so its second line (here
+    iteration 5, in the uninterrupted run iteration 2) is the mean of both iterations."""
+    full, _, ckpt = tsp
+    losses, printed = _pretrain(tree, None, "--tsp-size", "2", "--load", str(ckpt), "--ckpt-step", str(SAVED))
+    assert sorted(losses) == list(range(SAVED + 1, ITERS + 1))
+    expected = {it: full[it] for it in losses}
+    expected[SAVED + 2] = (full[SAVED + 1] + full[SAVED + 2]) / 2
+    _close(losses, expected)
+
+
+def test_patched_pretrain_gpt_equals_the_script(tree, tsp, tmp_path):
+    shutil.copy(tree / "pretrain_gpt.py", tmp_path / "pretrain_gpt.py")
+    patch = os.path.join(ROOT, "patches", TAG, "pretrain_gpt_tsp.patch")
+    subprocess.run(["patch", "-p1", "-d", str(tmp_path), "-i", patch], check=True, capture_output=True)
+    losses, printed = _pretrain(tree, tmp_path / "pretrain_gpt.py", "--tsp-size", "2")
+    assert printed["spec"] == "['megatron_tsp.megatron_lm', 'layer_spec']"
+    _close(losses, tsp[0])
 
 
 def test_tsp_size_maps_onto_the_tensor_parallel_slot():
@@ -62,16 +186,32 @@ def test_ring_mlp_misuse_is_one_line(argv, message):
         megatron_lm.translate_argv(["x", *argv])
 
 
+def _spec(name):
+    """The layer spec Megatron-LM's ``--spec megatron_tsp.megatron_lm NAME`` gets: the object
+    itself (0.16), or what the callable it calls with the model config returns (0.19)."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    obj = vars(megatron_lm)[name]  # how Megatron-LM looks it up: no module __getattr__
+    return obj if isinstance(obj, ModuleSpec) else obj.spec
+
+
 def test_spec_objects_are_layer_specs():
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
     from megatron_tsp.core.mlp import TSPMLP
 
-    assert megatron_lm.layer_spec.module is TransformerLayer
-    assert megatron_lm.layer_spec.submodules.self_attention.submodules.core_attention is not None
-    ring = megatron_lm.ring_layer_spec  # megatron's own attention, the ring MLP, the norm apart from fc1
-    assert ring.module is TransformerLayer and ring.submodules.mlp.module is TSPMLP
-    assert ring.submodules.sharded_state_dict_keys_map["pre_mlp_layernorm."] == "mlp.linear_fc1.layer_norm_"
+    for name in ("layer_spec", "layer_spec_qk_layernorm"):
+        spec = _spec(name)
+        assert spec.module is TransformerLayer
+        assert spec.submodules.self_attention.submodules.core_attention is not None
+    for name in ("ring_layer_spec", "ring_layer_spec_local", "ring_layer_spec_qk_layernorm",
+                 "ring_layer_spec_qk_layernorm_local"):
+        ring = _spec(name)  # megatron's own attention, the ring MLP, the norm apart from fc1
+        assert ring.module is TransformerLayer and ring.submodules.mlp.module is TSPMLP
+        assert ring.submodules.sharded_state_dict_keys_map["pre_mlp_layernorm."] == "mlp.linear_fc1.layer_norm_"
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    assert isinstance(vars(megatron_lm)["layer_spec"], ModuleSpec) != versions.at_least(0, 19)
 
 
 PARSE = r"""
@@ -86,7 +226,6 @@ print("|".join(map(str, (args.tsp_size, args.tensor_model_parallel_size, args.se
 """
 
 
-@needs_megatron_lm
 @pytest.mark.parametrize("name", ["128k-tsp8", "128k-tp8-sp", "128k-tp8-sp-ring", "128k-tp4-cp2", "16k-tsp8"])
 def test_rendered_configs_parse_with_megatron_lm(name):
     flags = subprocess.run([sys.executable, "-m", "megatron_tsp.cli", "args",
@@ -104,12 +243,3 @@ def test_rendered_configs_parse_with_megatron_lm(name):
         assert (tsp, tp, sp) == ("1", "8", "True") and "ring_layer_spec" in spec
     else:
         assert tsp == "1" and spec == "None"
-
-
-@needs_megatron_lm
-def test_patch_applies_to_pretrain_gpt(tmp_path):
-    work = tmp_path / "pretrain_gpt.py"
-    shutil.copy(os.path.join(MEGATRON_LM, "pretrain_gpt.py"), work)
-    subprocess.run(["patch", "--dry-run", "-p1", "-d", str(tmp_path), "-i",
-                    os.path.join(ROOT, "patches", "pretrain_gpt_tsp.patch")], check=True,
-                   capture_output=True)

@@ -48,8 +48,8 @@ def test_pretrain_script_without_a_megatron_lm_checkout_says_so_in_one_line(tmp_
                             env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 1
     assert result.stderr.strip().splitlines() == [
-        f"pretrain_gpt_tsp.py: error: MEGATRON_LM_PATH={tmp_path} is not a Megatron-LM checkout (no pretrain_gpt.py); "
-        "set MEGATRON_LM_PATH to a checkout at tag core_v0.16.1"]
+        f"pretrain_gpt_tsp.py: error: MEGATRON_LM_PATH={tmp_path} is not a Megatron-LM checkout (no pretrain_gpt.py "
+        "and megatron/training); set MEGATRON_LM_PATH to a checkout at tag core_v0.16.1 or core_v0.19.0"]
 
 
 def test_args_into_a_closed_pipe_ends_quietly():

@@ -5,11 +5,9 @@ On top of megatron-core's CPU shims (:mod:`megatron_tsp.run.compat`), Megatron-L
 loop assumes CUDA in the places below, each covered by one shim that names where it applies
 (tags core_v0.16.1 and core_v0.19.0; a shim for one of them names its megatron-core release).
 As in :mod:`compat`, a shim changes where a tensor lives, or skips a GPU-only step (kernel
-builds and warm-ups), never a value. The CPU also needs these Megatron-LM flags, which a user
-passes as on a GPU without TransformerEngine or apex: ``--distributed-backend gloo
---transformer-impl local --no-gradient-accumulation-fusion --no-persist-layer-norm
---no-rope-fusion --no-bias-dropout-fusion --no-bias-gelu-fusion --no-masked-softmax-fusion``
-(the fused paths compile CUDA kernels, or torch.compile them on first use).
+builds and warm-ups), never a value. The CPU also needs the Megatron-LM flags of
+:data:`CPU_FLAGS`, which a user passes as on a GPU without TransformerEngine or apex (the fused
+paths compile CUDA kernels, or torch.compile them on first use).
 """
 
 from __future__ import annotations
@@ -22,6 +20,10 @@ import torch
 from megatron_tsp.run.compat import Rewrite, RewriteEach, enable_cpu_support
 
 _V016, _V019 = ((0, 16),), ((0, 19),)
+
+CPU_FLAGS = ("--distributed-backend", "gloo", "--transformer-impl", "local", "--no-gradient-accumulation-fusion",
+             "--no-persist-layer-norm", "--no-rope-fusion", "--no-bias-dropout-fusion", "--no-bias-gelu-fusion",
+             "--no-masked-softmax-fusion")
 
 TRAINING_SHIMS: Sequence[Union[Rewrite, RewriteEach]] = (
     Rewrite("megatron.training.initialize", "initialize_megatron",
