@@ -5,8 +5,22 @@ do not pay for (or print the warnings of) importing megatron-core.
 """
 
 import importlib
+import logging
 
 __version__ = "0.1.0"
+
+
+class _NoCudaToolkitNotice(logging.Filter):
+    """megatron-core imports ``torch.utils.cpp_extension``, which warns "No CUDA runtime is
+    found" on every import in a CUDA build of torch without the CUDA toolkit (a CPU machine
+    with PyPI's default torch): megatron_tsp compiles nothing, and every command and rank
+    would print it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("No CUDA runtime is found")
+
+
+logging.getLogger("torch.utils.cpp_extension").addFilter(_NoCudaToolkitNotice())
 
 _EXPORTS = {
     "TSPSelfAttention": "megatron_tsp.core.attention",
@@ -21,6 +35,7 @@ _EXPORTS = {
     "initialize_model_parallel": "megatron_tsp.core.parallel_state",
     "get_gpt_block_tsp_spec": "megatron_tsp.core.spec",
     "get_gpt_layer_tsp_spec": "megatron_tsp.core.spec",
+    "get_hybrid_stack_tsp_spec": "megatron_tsp.core.hybrid",
     "with_ring_mlp": "megatron_tsp.core.spec",
     "zigzag_batch": "megatron_tsp.core.zigzag",
 }

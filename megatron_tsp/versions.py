@@ -16,7 +16,12 @@ What 0.16 -> 0.19 changed that TSP meets, and where it is bridged:
 * Megatron-LM's ``pretrain()`` takes a config container built from the parsed arguments,
   not ``extra_args_provider`` and a model provider; its model builder calls a callable
   ``--spec`` object with the model config (:func:`spec_object`, :func:`run_pretrain_gpt`).
-* ``get_batch_on_this_cp_rank`` takes ``is_hybrid_cp`` (:func:`context_parallel_slice`).
+* ``get_batch_on_this_cp_rank`` takes ``is_hybrid_cp``, and its group no longer defaults to
+  the context-parallel one (:func:`context_parallel_slice`).
+* ``NullTokenizer(n)`` has n ids with end-of-document ``n - 1``, not ``n + 1`` ids
+  (:func:`null_tokenizer`).
+* The CPU needs two more shims (CUDA streams in the DDP gradient sync, a grad-norm flag
+  made on cuda) and another for torch Adam's checkpoint ``step`` (``run/compat.py``).
 * ``pretrain_gpt.get_batch`` returns ten values in ``BATCH_KEYS`` order, not six
   (:func:`batch_names`).
 * Megatron-LM's CPU shims differ where the code moved (``run/compat_megatron_lm.py``
@@ -128,6 +133,17 @@ def context_parallel_slice(batch: dict) -> dict:
         return get_batch_on_this_cp_rank(batch, is_hybrid_cp=False,
                                          cp_group=parallel_state.get_context_parallel_group())
     return get_batch_on_this_cp_rank(batch)
+
+
+def null_tokenizer(vocab_size: int):
+    """megatron's NullTokenizer with ``vocab_size`` ids and the end-of-document id after them
+    (``vocab_size + 1`` in all): 0.16's meaning of ``NullTokenizer(vocab_size)``. 0.19's puts
+    the end-of-document id at ``vocab_size - 1``, on a byte corpus's byte 255."""
+    from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
+
+    if at_least(0, 19):
+        return NullTokenizer(vocab_size + 1, eod_id=vocab_size)
+    return NullTokenizer(vocab_size)
 
 
 # ---- Megatron-LM's pretrain_gpt.py ------------------------------------------------------

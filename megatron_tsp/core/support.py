@@ -118,6 +118,10 @@ RULES: List[Rule] = [
     _feature("--window-size", "sliding-window attention is not implemented", layer="attention"),
     _feature("--mrope-section", "multimodal RoPE is not implemented", layer="attention"),
     _feature("--use-te-activation-func", "the ring MLP applies the activation itself", layer="mlp"),
+    Rule("--hybrid-layer-pattern", "Mamba, gated delta net, MLA, DSA and MoE layers are not TSP layers",
+         "use attention (*) and MLP (-) layers, with | between pipeline stages",
+         ok=lambda v, d: v is None or set(v) <= set("*-|"), must="attention (*) and MLP (-) layers only",
+         attr=None, layer="launch", type=str),
     # Megatron-LM command line only
     _feature("--spec", "the TSP layer spec is chosen by --tsp-size", "drop --spec", attr=None, layer="launch"),
     _feature("--use-legacy-models", "TSP needs megatron-core models", "drop --use-legacy-models", attr=None,

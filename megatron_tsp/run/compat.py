@@ -175,19 +175,19 @@ _CUDA_Q = "'cuda'"
 SHIMS: Sequence[Rewrite] = (
     # Causal masks are built on cuda.
     Rewrite("megatron.core.transformer.utils", "get_default_causal_mask",
-             ((f"device={_CUDA}", 'device="cpu"'),), "transformer/utils.py:35"),
+            ((f"device={_CUDA}", 'device="cpu"'),), "transformer/utils.py:35"),
     Rewrite("megatron.core.transformer.utils", "get_sliding_window_causal_mask",
-             ((f"device={_CUDA}", 'device="cpu"'),), "transformer/utils.py:40"),
+            ((f"device={_CUDA}", 'device="cpu"'),), "transformer/utils.py:40"),
     # Context-parallel RoPE slice: pinned memory and .cuda().
     Rewrite("megatron.core.models.common.embeddings.rope_utils", "get_pos_emb_on_this_cp_rank",
-             (("pin_memory=True", "pin_memory=False"), (".cuda(non_blocking=True)", "")),
-             "models/common/embeddings/rope_utils.py:62"),
+            (("pin_memory=True", "pin_memory=False"), (".cuda(non_blocking=True)", "")),
+            "models/common/embeddings/rope_utils.py:62"),
     # Pipeline parallel with tied embeddings: the last stage's copy is moved to cuda before
     # the first/last-stage all-reduce.
     Rewrite("megatron.core.models.common.language_module.language_module",
-             "LanguageModule.setup_embeddings_and_output_layer",
-             (("weight.data = weight.data.cuda()", "weight.data = weight.data"),),
-             "models/common/language_module/language_module.py:244"),
+            "LanguageModule.setup_embeddings_and_output_layer",
+            (("weight.data = weight.data.cuda()", "weight.data = weight.data"),),
+            "models/common/language_module/language_module.py:244"),
     # Token counters of the pipeline schedules.
     *(
         Rewrite("megatron.core.pipeline_parallel.schedules", name,
@@ -200,47 +200,47 @@ SHIMS: Sequence[Rewrite] = (
     ),
     # Optimizer scalars and dtype checks spelled with torch.cuda.* type names.
     Rewrite("megatron.core.optimizer.optimizer", "MixedPrecisionOptimizer.__init__",
-             ((f"device={_CUDA_Q}", "device='cpu'"),), "optimizer/optimizer.py:473-485"),
+            ((f"device={_CUDA_Q}", "device='cpu'"),), "optimizer/optimizer.py:473-485"),
     Rewrite("megatron.core.optimizer.optimizer", "Float16OptimizerWithFloat16Params.__init__",
-             (("'torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor'",
-               "'torch.HalfTensor', 'torch.BFloat16Tensor'"),
-              ("== 'torch.cuda.FloatTensor'", "== 'torch.FloatTensor'")),
-             "optimizer/optimizer.py:671/690"),
+            (("'torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor'",
+              "'torch.HalfTensor', 'torch.BFloat16Tensor'"),
+             ("== 'torch.cuda.FloatTensor'", "== 'torch.FloatTensor'")),
+            "optimizer/optimizer.py:671/690"),
     # 0.19: whether a rank holds parameters of a grad-norm group, agreed over the ranks.
     Rewrite("megatron.core.optimizer.optimizer", "MegatronOptimizer.has_grad_norm_group",
             ((f"device={_CUDA_Q}", "device='cpu'"),), "optimizer/optimizer.py:315 (0.19)", ((0, 19),)),
     Rewrite("megatron.core.optimizer.optimizer", "FP32Optimizer.__init__",
-             ((f"device={_CUDA_Q}", "device='cpu'"),), "optimizer/optimizer.py:907"),
+            ((f"device={_CUDA_Q}", "device='cpu'"),), "optimizer/optimizer.py:907"),
     Rewrite("megatron.core.optimizer.distrib_optimizer",
-             "DistributedOptimizer._build_model_and_main_param_groups",
-             (("'torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor'",
-               "'torch.HalfTensor', 'torch.BFloat16Tensor'"),
-              ("== 'torch.cuda.FloatTensor'", "== 'torch.FloatTensor'")),
-             "optimizer/distrib_optimizer.py:361/420"),
+            "DistributedOptimizer._build_model_and_main_param_groups",
+            (("'torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor'",
+              "'torch.HalfTensor', 'torch.BFloat16Tensor'"),
+             ("== 'torch.cuda.FloatTensor'", "== 'torch.FloatTensor'")),
+            "optimizer/distrib_optimizer.py:361/420"),
     Rewrite("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.__init__",
-             (("'torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor'",
-               "'torch.HalfTensor', 'torch.BFloat16Tensor'"),),
-             "optimizer/distrib_optimizer.py:582"),
+            (("'torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor'",
+              "'torch.HalfTensor', 'torch.BFloat16Tensor'"),),
+            "optimizer/distrib_optimizer.py:582"),
     # Optimizer state in the resharding checkpoint format is gathered on DP rank 0 via cuda.
     Rewrite("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.get_parameter_state_dp_zero",
-             (("send_tensor = send_tensor.cuda()", "send_tensor = send_tensor"),),
-             "optimizer/distrib_optimizer.py:1089"),
+            (("send_tensor = send_tensor.cuda()", "send_tensor = send_tensor"),),
+            "optimizer/distrib_optimizer.py:1089"),
     # Gradient norm and clipping.
     Rewrite("megatron.core.optimizer.clip_grads", "get_grad_norm_fp32",
-             ((f"device={_CUDA_Q}", "device='cpu'"),), "optimizer/clip_grads.py:90/103/115"),
+            ((f"device={_CUDA_Q}", "device='cpu'"),), "optimizer/clip_grads.py:90/103/115"),
     Rewrite("megatron.core.optimizer.clip_grads", "clip_grad_by_total_norm_fp32",
-             ((f"device={_CUDA_Q}", "device='cpu'"),
-              ("== 'torch.cuda.FloatTensor'", "== 'torch.FloatTensor'")),
-             "optimizer/clip_grads.py:167/174"),
+            ((f"device={_CUDA_Q}", "device='cpu'"),
+             ("== 'torch.cuda.FloatTensor'", "== 'torch.FloatTensor'")),
+            "optimizer/clip_grads.py:167/174"),
     Rewrite("megatron.core.optimizer.clip_grads", "count_zeros_fp32",
-             ((f"device={_CUDA_Q}", "device='cpu'"),), "optimizer/clip_grads.py:207"),
+            ((f"device={_CUDA_Q}", "device='cpu'"),), "optimizer/clip_grads.py:207"),
     Rewrite("megatron.core.utils", "local_multi_tensor_l2_norm",
-             ((f"device={_CUDA}", 'device="cpu"'),), "utils.py:1207"),
+            ((f"device={_CUDA}", 'device="cpu"'),), "utils.py:1207"),
     # The CUDA RNG tracker: same bookkeeping, CPU generator.
     Rewrite("megatron.core.tensor_parallel.random", "CudaRNGStatesTracker.add",
-             (("torch.cuda.get_rng_state()", "torch.get_rng_state()"),
-              ("torch.cuda.manual_seed(seed)", "torch.manual_seed(seed)")),
-             "tensor_parallel/random.py:235"),
+            (("torch.cuda.get_rng_state()", "torch.get_rng_state()"),
+             ("torch.cuda.manual_seed(seed)", "torch.manual_seed(seed)")),
+            "tensor_parallel/random.py:235"),
 )
 
 
@@ -250,15 +250,20 @@ SHIMS: Sequence[Rewrite] = (
 TORCH_ADAM_SHIMS: Sequence[Rewrite] = (
     # The resharding format has no per-parameter "step" (it comes from the param groups).
     Rewrite("megatron.core.optimizer.distrib_optimizer",
-             "DistributedOptimizer._set_main_param_and_optimizer_states",
-             (("dst_tensors[key].copy_(tensors[key])",
-               "if key != 'step': dst_tensors[key].copy_(tensors[key])"),),
-             "optimizer/distrib_optimizer.py:940"),
+            "DistributedOptimizer._set_main_param_and_optimizer_states",
+            (("dst_tensors[key].copy_(tensors[key])",
+              "if key != 'step': dst_tensors[key].copy_(tensors[key])"),),
+            "optimizer/distrib_optimizer.py:940", ((0, 16),)),
+    Rewrite("megatron.core.optimizer.distrib_optimizer",
+            "DistributedOptimizer._set_main_param_and_optimizer_states",
+            (("if not isinstance(tensors[key], torch.Tensor):",
+              "if key == 'step' or not isinstance(tensors[key], torch.Tensor):"),),
+            "optimizer/distrib_optimizer.py:1223 (0.19)", ((0, 19),)),
     # One "step" tensor was shared by every parameter, so torch's Adam advanced it once
     # per parameter per step and the bias correction drifted after a resume.
     Rewrite("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.load_state_dict",
-             (('s["step"] = step', 's["step"] = step.clone()'),),
-             "optimizer/distrib_optimizer.py:820"),
+            (('s["step"] = step', 's["step"] = step.clone()'),),
+            "optimizer/distrib_optimizer.py:820"),
 )
 _TORCH_ADAM_ENABLED = False
 

@@ -22,8 +22,8 @@ import torch
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
-from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
 
+from megatron_tsp import versions
 from megatron_tsp.core.sizes import ParallelSizes
 from megatron_tsp.errors import ConfigError, DataError
 
@@ -68,12 +68,14 @@ def ensure_corpus(prefixes: List[str]) -> None:
             make_tiny_corpus(prefix)
 
 
-def tokenizer_for(args) -> NullTokenizer:
-    """Byte-level corpora and mock data use megatron's NullTokenizer (ids as given)."""
+def tokenizer_for(args):
+    """Byte-level corpora and mock data use megatron's NullTokenizer (ids as given), with
+    megatron-core 0.16's vocabulary on every release: ``--vocab-size`` ids plus the
+    end-of-document id after them (:func:`megatron_tsp.versions.null_tokenizer`)."""
     if args.tokenizer_type != "NullTokenizer":
         raise ConfigError(f"'tokenizer_type' (--tokenizer-type) {args.tokenizer_type!r} is not supported by "
                           "megatron-tsp train: use NullTokenizer (pre-tokenized ids), or Megatron-LM's pretrain_gpt.py")
-    return NullTokenizer(args.vocab_size)
+    return versions.null_tokenizer(args.vocab_size)
 
 
 def check_corpus(prefixes: List[str], vocab_size: int) -> None:

@@ -18,6 +18,7 @@ case, and returns what each case raised, if anything. Importing this package doe
 import torch.
 """
 
+import contextlib
 import hashlib
 import json
 import os
@@ -65,6 +66,20 @@ def run(cases, timeout_s: float = 900.0):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+class _FakeStream:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
 def install_torch_cuda() -> None:
     """``torch.cuda`` as a process on one GPU sees it (a CPU build's functions raise), and
     the two ways megatron-core puts a CPU tensor of values on the GPU, ``torch.tensor(data,
@@ -88,6 +103,11 @@ def install_torch_cuda() -> None:
     }
     for name, fn in stand_ins.items():
         setattr(torch.cuda, name, fn)
+    # megatron-core 0.19 orders the DDP gradient sync on the current CUDA stream; one stream,
+    # on which everything is already in order.
+    torch.cuda.Stream = _FakeStream
+    torch.cuda.current_stream = lambda device=None: _FakeStream()
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
 
     tensor, cuda = torch.tensor, torch.Tensor.cuda
 

@@ -6,11 +6,12 @@ import os
 import sys
 import traceback
 
-ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_GLOBAL)  # before torch: see runtime.cpp
+RUNTIME = ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_GLOBAL)  # before torch: see runtime.cpp
 
 import fake_cuda  # noqa: E402
 
-fake_cuda.install_torch_cuda()
+fake_cuda.install_torch_cuda()  # imports torch
+RUNTIME.fake_cuda_take_over()
 sys.path.insert(0, os.path.join(fake_cuda.TESTS, "standins"))  # flash_attn
 
 from megatron_tsp.device import Device  # noqa: E402
@@ -39,7 +40,11 @@ def main():
                             "traceback": traceback.format_exc()})
     # a GPU process never enables megatron-core's CPU shims (they would put tensors on the CPU)
     results.append({"case": "cpu shims", "error": "enabled" if compat.cpu_support_enabled() else None})
-    print(json.dumps(results))
+    print(json.dumps(results), flush=True)
 
 
 main()
+# A CUDA build of torch tears down its CUDA state at exit, which the stand-in runtime never
+# set up (the process would abort after its results are written).
+sys.stdout.flush()
+os._exit(0)

@@ -5,7 +5,8 @@
 // Without it a CPU build aborts the process at the first autograd node on a fake CUDA
 // tensor ("PyTorch is not linked with support for cuda devices": no CUDA device guard) and
 // the engine then refuses to run backward ("Cannot access accelerator device when none is
-// available": the CUDA hooks report no CUDA build). Load it before torch is imported.
+// available": the CUDA hooks report no CUDA build). A CUDA build of torch on a machine without
+// a GPU fails the same way, its hooks reporting no device. Load it before torch is imported.
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
@@ -54,6 +55,15 @@ struct FakeCUDAHooks final : public at::CUDAHooksInterface {
 
 }  // namespace
 
+// A CUDA build of torch registers its own device guard when its CUDA library loads, after this
+// one: the process calls this once torch is imported, so that the stand-in guards CUDA.
+extern "C" void fake_cuda_take_over() {
+  static FakeCUDAGuard guard;
+  c10::impl::device_guard_impl_registry[static_cast<size_t>(c10::DeviceType::CUDA)].store(&guard);
+}
+
 namespace at {
-C10_REGISTER_CLASS(CUDAHooksRegistry, CUDAHooks, FakeCUDAHooks);
+// Preferred over torch's own hooks, which a CUDA build of torch registers (on a machine
+// without a GPU they report no device, and autograd on fake CUDA tensors fails).
+C10_REGISTER_CLASS_WITH_PRIORITY(CUDAHooksRegistry, CUDAHooks, c10::REGISTRY_PREFERRED, FakeCUDAHooks);
 }
