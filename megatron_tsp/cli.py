@@ -595,6 +595,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` "
                             "is deprecated", category=FutureWarning)
     warnings.filterwarnings("ignore", message="full scope is deprecated", category=UserWarning)
+    # megatron-core 0.19 imports absl.logging where it is installed, and says so where not
+    warnings.filterwarnings("ignore", message="absl.logging is not installed", category=UserWarning)
+    # ... and its rank-0-only logging asks for a rank in the launcher, which has no process group
+    warnings.filterwarnings("ignore", message="Could not determine rank from torch.distributed", category=UserWarning)
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

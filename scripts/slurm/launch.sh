@@ -4,7 +4,8 @@
 # first node. Called by the *.sbatch scripts; reads:
 #   CONFIG            configs/...yaml (required)
 #   GPU_KIND          mi300x | h100 | h200 (collective-library environment, default mi300x)
-#   MEGATRON_LM_PATH  a Megatron-LM core_v0.16.1 checkout: run its pretrain_gpt.py through
+#   MEGATRON_LM_PATH  a Megatron-LM checkout (core_v0.16.1 or core_v0.19.0, the installed
+#                     megatron-core's tag): run its pretrain_gpt.py through
 #                     scripts/pretrain_gpt_tsp.py; unset: run `megatron-tsp train`
 #   RUN_DIR           logs and checkpoints (default runs/<config>-<job id>)
 #   EXTRA_ARGS        more Megatron-style flags, appended last
