@@ -76,7 +76,8 @@ def test_tsp_hybrid_model_trains_like_the_single_process_one(ranks, model):
 
 
 def test_a_mamba_layer_under_tsp_is_one_line(ranks):
-    message = ranks(2, _refused, "M*-")[0]  # megatron's build_module adds where it was building
-    assert message.split(" when instantiating")[0] == ("HybridStackWithNorm: --hybrid-layer-pattern must be attention (*) and MLP (-) layers only "
+    message = ranks(2, _refused, "M*-")[0]
+    message = message.split(" when instantiating")[0]  # megatron's build_module adds where it was building
+    assert message == ("HybridStackWithNorm: --hybrid-layer-pattern must be attention (*) and MLP (-) layers only "
                        "with --tsp-size 2 (got M*-): Mamba, gated delta net, MLA, DSA and MoE layers are not TSP "
                        "layers; use attention (*) and MLP (-) layers, with | between pipeline stages")
