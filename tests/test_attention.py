@@ -273,10 +273,11 @@ def _kernel_calls(tsp_size):
 
 @pytest.mark.parametrize("tsp_size", [1, 2])
 def test_tsp_backward_runs_no_attention_forward(ranks, tsp_size):
-    # per head group, rank p's chunks p and 2D-1-p: one causal block each, plus a full block
-    # for every chunk with keys before it (all but chunk 0)
+    # per head group, in the zigzag layout with a top-left kernel (aten's CPU flash): rank p's
+    # chunk 2D-1-p a causal and a full block, chunk p a causal block and, but on rank 0, a full
+    # block before it; at D=1 the sequence is one causal block
     for rank, (forward, backward) in enumerate(ranks(tsp_size, _kernel_calls, tsp_size)):
-        blocks = tsp_size * (2 + (rank != 0) + 1)
+        blocks = 1 if tsp_size == 1 else tsp_size * (3 + (rank != 0))
         assert forward == {"forward": blocks, "backward": 0}
         assert backward == {"forward": 0, "backward": blocks}
 
@@ -331,4 +332,4 @@ def test_flash_attn_backend_with_the_packages_signatures(flash_attn_on_cpu, dtyp
     for chunk_ids in ([0], [1, 2], [2, 5]):
         test_block_attention_matches_softmax_attention("flash_attn", dtype, chunk_ids)
     assert kernels.blocks([1, 2], 4, kernels.bottom_right("flash_attn", torch.device("cpu"), dtype)) == \
-        [(0, 0, 8, True), (1, 0, 12, True)]
+        [(0, 4, 0, 8, True), (4, 8, 0, 12, True)]

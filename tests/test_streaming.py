@@ -1,4 +1,5 @@
-"""The overlap and error-path helpers every TSP schedule is built from."""
+"""The pieces every TSP schedule is built from: transfers waited for on errors, GEMMs that
+accumulate in fp32, shards and their gradients, the layer chain's predictions."""
 
 import pytest
 import torch
@@ -6,15 +7,17 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_tsp.core import comm
-from megatron_tsp.core.streaming import _FP32_OUTPUT_MM, OneBehind, ahead, grad_product
+from megatron_tsp.core.gemm import fp32_output_gemm, gemm, gemm_t
+from megatron_tsp.core.prefetch import LayerChain
+from megatron_tsp.core.streaming import deliver_grads, pack, unpack
 
 
 class Work:
     def __init__(self):
-        self.waited = False
+        self.waited = 0
 
     def wait(self):
-        self.waited = True
+        self.waited += 1
 
 
 def test_an_error_waits_for_every_transfer_in_flight():
@@ -23,34 +26,15 @@ def test_an_error_waits_for_every_transfer_in_flight():
             done, pending = inflight.add(Work()), inflight.add([Work(), Work()])
             inflight.wait(done)
             raise ValueError("kernel failed")
-    assert done.waited and all(w.waited for w in pending)
+    assert done.waited == 1 and all(w.waited == 1 for w in pending)
 
 
-def test_ahead_starts_before_the_block_with_overlap_and_after_it_without():
-    for overlap, order in ((True, ["start", "compute"]), (False, ["compute", "start"])):
-        events = []
-
-        def start(events=events):
-            events.append("start")
-            return "next"
-
-        with ahead(start, overlap) as upcoming:
-            events.append("compute")
-        assert events == order and upcoming.value == "next"
-
-
-def test_ahead_does_not_start_after_an_error():
-    events = []
-    with pytest.raises(RuntimeError):
-        with ahead(lambda: events.append("start"), overlap=False):
-            raise RuntimeError
-    assert events == []
-
-
-def test_one_behind_hands_items_back_a_step_late_only_with_overlap():
-    late, now = OneBehind(True), OneBehind(False)
-    assert [late.swap(i) for i in range(3)] + [late.flush()] == [None, 0, 1, 2]
-    assert [now.swap(i) for i in range(3)] + [now.flush()] == [0, 1, 2, None]
+def test_a_transfer_waited_for_twice_is_waited_for_once():
+    with comm.InFlight() as inflight:
+        work = inflight.add(Work())
+        inflight.wait(work)
+        inflight.wait([work])
+    assert work.waited == 1
 
 
 class _Ops(TorchDispatchMode):
@@ -63,18 +47,63 @@ class _Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.skipif(not _FP32_OUTPUT_MM, reason="torch < 2.8 has no GEMM with an fp32 output")
-def test_partial_weight_gradients_are_fp32_gemms_without_casts_where_the_planner_plans_a_gpu():
-    dy, x = torch.randn(64, 24), torch.randn(64, 16)
-    want = dy.t() @ x
-    low = dy.bfloat16(), x.bfloat16()
-    with _Ops() as real:  # a CPU has no fp32-output GEMM: it casts
-        got = grad_product(*low)
-    assert got.dtype == torch.float32 and "aten._to_copy.default" in real.ops
-    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
-    with FakeTensorMode() as fake:  # the memory planner's tensors: the GPU's GEMM, no casts
-        planned_in = fake.from_tensor(low[0]), fake.from_tensor(low[1])
+def test_gemm_accumulates_in_fp32_and_writes_where_it_is_told():
+    a, b, c = torch.randn(5, 7), torch.randn(7, 3), torch.randn(5, 3)
+    out = c.clone()
+    assert gemm(a, b, out=out, accumulate=True) is out
+    torch.testing.assert_close(out, c + a @ b)
+    torch.testing.assert_close(gemm(a, b, out=out), a @ b)
+    torch.testing.assert_close(gemm_t(a, c), a.t() @ c)
+    with pytest.raises(ValueError, match="accumulate needs an out tensor"):
+        gemm(a, b, accumulate=True)
+
+
+def test_bf16_gemms_cast_on_the_cpu_and_take_the_fp32_output_kernels_where_the_planner_plans_a_gpu():
+    assert not fp32_output_gemm(torch.device("cpu"), torch.bfloat16)  # tried once, cached
+    a, b = torch.randn(64, 24), torch.randn(24, 16)
+    low = a.bfloat16(), b.bfloat16()
+    acc = torch.zeros(64, 16)
+    with _Ops() as real:
+        gemm(*low, out=acc, accumulate=True)
+    assert "aten._to_copy.default" in real.ops and acc.dtype == torch.float32
+    torch.testing.assert_close(acc, low[0].float() @ low[1].float())
+    with FakeTensorMode() as fake:  # the memory planner's tensors: the GPU's GEMMs, no casts
+        fa, fb, facc = fake.from_tensor(low[0]), fake.from_tensor(low[1]), fake.from_tensor(acc)
         with _Ops() as planned:
-            out = grad_product(*planned_in)
+            first = gemm(fa, fb)
+            gemm(fa, fb, out=facc, accumulate=True)
     data_ops = [op for op in planned.ops if not op.startswith("prim.")]  # prim: metadata queries
-    assert out.dtype == torch.float32 and data_ops == ["aten.t.default", "aten.mm.dtype"]
+    assert first.dtype == torch.float32 and data_ops == ["aten.mm.dtype", "aten.addmm.dtype_out"]
+
+
+def test_gradients_reach_main_grad_without_rounding():
+    own = [torch.nn.Parameter(torch.zeros(2, 3, dtype=torch.bfloat16)),
+           torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))]
+    flat = torch.randn(10, dtype=torch.float32)
+    plain = deliver_grads(own, flat)  # no DDP: the gradient in the parameter's dtype
+    assert [g.dtype for g in plain] == [torch.bfloat16] * 2
+    for p in own:
+        p.main_grad = torch.ones(p.shape, dtype=torch.float32)
+    deliver_grads(own, flat)
+    torch.testing.assert_close(torch.cat([p.main_grad.reshape(-1) for p in own]), 1 + flat)
+    assert all(p.grad_added_to_main_grad for p in own)
+    assert torch.equal(unpack(pack([p.main_grad for p in own]), own)[1], own[1].main_grad)
+
+
+class _Module:
+    def __init__(self, chain, attention, recompute=None):
+        self.is_tsp_attention = attention
+        self.config = type("Config", (), {"recompute_granularity": recompute})()
+        chain.register(self)
+
+
+@pytest.mark.parametrize("recompute", [None, "full"])
+def test_the_chain_names_the_module_that_runs_next(recompute):
+    chain = LayerChain()
+    attn0, mlp0, attn1, mlp1 = (_Module(chain, a, recompute) for a in (True, False, True, False))
+    assert chain.next_after(attn0, backward=False) is mlp0
+    assert chain.next_after(mlp0, backward=False) is attn1
+    assert chain.next_after(mlp1, backward=False) is None
+    assert chain.next_after(mlp1, backward=True) is attn1
+    assert chain.next_after(attn1, backward=True) is (attn0 if recompute else mlp0)
+    assert chain.next_after(attn0, backward=True) is None

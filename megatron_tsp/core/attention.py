@@ -8,24 +8,26 @@ ranks together:
     W_r       = broadcast(Wqkv_r, bqkv_r, Wproj_r; src=r)
     q, k, v   = split(x_p Wqkv_r^T + bqkv_r)          a/D query heads, g/D kv heads
     q, k      = rope(q, k) at the global positions of p's tokens
-    K_r, V_r  = all_gather_seq(k, v)                   [S, b, g/D, d], global order
-    y_p      += block_attention(q, K_r, V_r) Wproj_r^T
+    K_r, V_r  = all_gather(k, v)                       [S, b, g/D, d], zigzag layout
+    o_r       = block_attention(q, K_r, V_r)           head group r of O_p [S/D, b, h]
 
-so ``y_p = sum_r attn_r(x_p) Wproj_r^T`` is the full attention output for p's tokens: no
-all-reduce. Backward (derived; docs/design.md section 2) re-broadcasts W_r, re-gathers K_r, V_r
-(never saved full-length), reduce-scatters dK_r, dV_r to the token owners and reduces the
-partial dW_r of every rank to its owner r, both in fp32. Saved for backward: ``x_p``, this
-rank's own shards, and per head group the projection, attention output and log-sum-exp of
-p's tokens only (1/D of what one device saves); nothing is recomputed but what a flash
-kernel's own backward recomputes. The attention itself is
-:func:`megatron_tsp.core.block_attention.block_attention`, the op every baseline uses too.
+and then, once, ``y_p = O_p Wproj^T`` with ``Wproj`` the head groups' projection shards side
+by side: one GEMM over K = h that sums the head groups in fp32 and rounds once, no fp32
+accumulator in memory, and no all-reduce. Backward (derived; docs/design.md section 2)
+re-broadcasts W_r, re-gathers K_r, V_r (never saved full-length), reduce-scatters dK_r, dV_r
+in fp32 to the token owners, sums ``dx_p`` over head groups inside its GEMMs (fp32), and
+reduces the partial dW_r of every rank to its owner r in fp32, written by its GEMMs into the
+buffer the reduce sends. Saved for backward: ``x_p``, this rank's own shards, O_p, and per
+head group the projection and log-sum-exp of p's tokens (1/D of what one device saves);
+nothing is recomputed but q/k norms and RoPE, and what a flash kernel's own backward
+recomputes. The attention itself is :mod:`megatron_tsp.core.block_attention`, the op every
+baseline uses too.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import partial
 from typing import Callable, List, NamedTuple, Optional, Tuple
 
 import torch
@@ -37,21 +39,43 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_tsp.core import comm, zigzag
-from megatron_tsp.core.block_attention import block_attention_backward, block_attention_forward, select_backend
-from megatron_tsp.core.kv import GatherKV, ScatterKVGrads
+from megatron_tsp.core.block_attention import (
+    attend_backward_into,
+    attend_into,
+    bottom_right,
+    resolve_backend,
+    select_backend,
+    zigzag_blocks,
+)
+from megatron_tsp.core.gemm import gemm, gemm_t
+from megatron_tsp.core.kv import GatherKV, ScatterKVGrads, grad_buffer, send_buffer
 from megatron_tsp.core.parallel_state import resolve_tsp_groups
-from megatron_tsp.core.streaming import OneBehind, Shard, ShardStream, ahead, grad_product, linear_pair_shard
+from megatron_tsp.core.prefetch import LayerChain
+from megatron_tsp.core.streaming import WeightBroadcast, deliver_grads, linear_pair_shard, unpack
 from megatron_tsp.core.support import check_attention_config
+
+Rope = Optional[Tuple[torch.Tensor, ...]]
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = torch.chunk(x, 2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
 
 
 class TSPSelfAttention(SelfAttention):
     """Drop-in for megatron's ``SelfAttention`` under TSP (same parameters and checkpoints).
 
-    ``overlap_comm``: broadcast the next head group's weights while this one computes.
+    ``overlap_comm``: the next head groups' weights and K/V travel while one computes.
     ``attention_backend``: see :func:`megatron_tsp.core.block_attention.resolve_backend`.
     ``zigzag_indices``: an :class:`~megatron_tsp.core.zigzag.IndexCache` shared by the
     layers of a model (the TSP layer spec passes one), else this layer's own.
+    ``chain``: the model's :class:`~megatron_tsp.core.prefetch.LayerChain` (the spec passes
+    one): the next layer's first shard travels during this layer's last head group.
+    ``lookahead``: head-group shards in flight ahead of the one in use (1 or more: each one
+    more shard of memory).
     """
+
+    is_tsp_attention = True
 
     def __init__(
         self,
@@ -64,6 +88,8 @@ class TSPSelfAttention(SelfAttention):
         overlap_comm: bool = True,
         attention_backend: str = "auto",
         zigzag_indices: Optional[zigzag.IndexCache] = None,
+        chain: Optional[LayerChain] = None,
+        lookahead: int = 1,
         **layer_kwargs,
     ):
         group, weight_group = resolve_tsp_groups(pg_collection)
@@ -73,13 +99,17 @@ class TSPSelfAttention(SelfAttention):
         super().__init__(config, submodules, layer_number, attn_mask_type, cp_comm_type, pg_collection, **layer_kwargs)
         if self.tp_group.size() != group.size():
             raise ValueError("TSPSelfAttention: pg_collection.tp must be the TSP group")
+        if lookahead < 1:
+            raise ValueError(f"TSPSelfAttention: lookahead must be 1 or more (got {lookahead})")
         self.tsp_group = group
         self.weight_group = weight_group
         self.overlap_comm = overlap_comm
+        self.lookahead = lookahead
         self.attention_backend = select_backend(attention_backend)
         self.softmax_scale = config.softmax_scale or 1.0 / math.sqrt(self.hidden_size_per_attention_head)
-        self.chunk_ids = zigzag.rank_chunks(group.size(), group.rank())
         self.zigzag_indices = zigzag_indices if zigzag_indices is not None else zigzag.IndexCache()
+        self.chain = chain if chain is not None else LayerChain()
+        self.chain.register(self)
 
     # ---- parameters streamed per head group -------------------------------------------
     def shard_tensors(self) -> List[torch.Tensor]:
@@ -90,8 +120,32 @@ class TSPSelfAttention(SelfAttention):
         """Parameters every rank holds whole and uses on its own tokens (q/k norms)."""
         return [p for m in (self.q_layernorm, self.k_layernorm) if m is not None for p in m.parameters()]
 
+    def post_first_transfer(self):
+        """Post this layer's first transfer (head group 0's shard): :mod:`prefetch`."""
+        return WeightBroadcast.post(self.shard_tensors(), self.weight_group, 0)
+
     # ---- the local stage of one head group ---------------------------------------------
-    def split_heads(self, mixed: torch.Tensor, freqs: Optional[torch.Tensor]):
+    def rope_tables(self, freqs: Optional[torch.Tensor], dtype: torch.dtype) -> Rope:
+        """RoPE for this rank's tokens, once per layer and pass: ``(cos, sin)`` in the
+        activations' dtype, computed as megatron's unfused RoPE computes them; megatron's
+        fused RoPE (``apply_rope_fusion``) and interleaved RoPE take the frequencies."""
+        if freqs is None:
+            return None
+        if self.config.apply_rope_fusion or self.config.rotary_interleaved:
+            return (freqs,)
+        return torch.cos(freqs).to(dtype), torch.sin(freqs).to(dtype)
+
+    def _rope(self, t: torch.Tensor, rope: Rope) -> torch.Tensor:
+        if len(rope) == 1:
+            return apply_rotary_pos_emb(t, rope[0], config=self.config, cp_group=self.pg_collection.cp)
+        cos, sin = rope
+        rot_dim = cos.size(-1)
+        if rot_dim == t.size(-1):  # megatron's _apply_rotary_pos_emb_bshd, term for term
+            return (t * cos) + (_rotate_half(t) * sin)
+        head, rest = t[..., :rot_dim], t[..., rot_dim:]
+        return torch.cat(((head * cos) + (_rotate_half(head) * sin), rest), dim=-1)
+
+    def split_heads(self, mixed: torch.Tensor, rope: Rope):
         """A head group's QKV projection -> q [s, b, a/D, d], k and v [s, b, g/D, d]
         (megatron's interleaved layout, q/k norms, RoPE at the tokens' global positions)."""
         groups = self.num_query_groups_per_partition
@@ -104,9 +158,8 @@ class TSPSelfAttention(SelfAttention):
             query = self.q_layernorm(query)
         if self.k_layernorm is not None:
             key = self.k_layernorm(key)
-        if freqs is not None:
-            query = apply_rotary_pos_emb(query, freqs, config=self.config, cp_group=self.pg_collection.cp)
-            key = apply_rotary_pos_emb(key, freqs, config=self.config, cp_group=self.pg_collection.cp)
+        if rope is not None:
+            query, key = self._rope(query, rope), self._rope(key, rope)
         return query, key, value
 
     # ---- forward -----------------------------------------------------------------------
@@ -140,163 +193,196 @@ class TSPSelfAttention(SelfAttention):
                 raise NotImplementedError(f"TSPSelfAttention: {name} is not supported")
         d_size, rank = self.tsp_group.size(), self.tsp_group.rank()
         seq_len = hidden_states.size(0) * d_size
-        indices = self.zigzag_indices.get(seq_len, d_size, rank, hidden_states.device)
         freqs = None
         if rotary_pos_emb is not None:
             if isinstance(rotary_pos_emb, tuple):
                 rotary_pos_emb = rotary_pos_emb[0]
             if rotary_pos_emb.size(0) < seq_len:
                 raise ValueError(f"rotary table has {rotary_pos_emb.size(0)} positions, sequence has {seq_len}")
+            indices = self.zigzag_indices.get(seq_len, d_size, rank, hidden_states.device)
             freqs = rotary_pos_emb[indices.local_positions]
+        chunk = hidden_states.size(0) // 2 if d_size > 1 else hidden_states.size(0)
+        backend = resolve_backend(self.attention_backend, hidden_states.device, hidden_states.dtype,
+                                  planned=_fake(hidden_states))
+        aligned = bottom_right(backend, hidden_states.device, hidden_states.dtype, planned=_fake(hidden_states))
+        blocks = zigzag_blocks(d_size, rank, chunk, aligned) if d_size > 1 else \
+            [(0, chunk, 0, chunk, True)]
         args = AttentionScheduleArgs(
             kv_group=self.tsp_group, weight_group=self.weight_group, split_heads=self.split_heads,
-            indices=indices, chunk_ids=self.chunk_ids, softmax_scale=self.softmax_scale,
-            backend=self.attention_backend, hidden_size=self.config.hidden_size,
-            head_dim=self.hidden_size_per_attention_head, has_bias=self.linear_qkv.bias is not None,
-            overlap=self.overlap_comm)
-        output = StreamAttentionHeads.apply(args, freqs, hidden_states, *self.shard_tensors(),
-                                            *self.replicated_parameters())
+            rope=self.rope_tables(freqs, hidden_states.dtype), blocks=blocks, softmax_scale=self.softmax_scale,
+            backend=backend, hidden_size=self.config.hidden_size, head_dim=self.hidden_size_per_attention_head,
+            has_bias=self.linear_qkv.bias is not None, overlap=self.overlap_comm, lookahead=self.lookahead,
+            chain=self.chain, module=self)
+        output = StreamAttentionHeads.apply(args, hidden_states, *self.shard_tensors(), *self.replicated_parameters())
         return output, self.linear_proj.bias
+
+
+def _fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(t)
 
 
 @dataclass(frozen=True)
 class AttentionScheduleArgs:
     """The arguments of :class:`StreamAttentionHeads`: the group K/V are gathered over and
-    the one weight shards are broadcast over; ``split_heads(qkv, freqs) -> q, k, v`` for one
-    head group (q/k norms and RoPE: the layer's local stage); the zigzag index tensors; the
-    attention op's ``chunk_ids`` (this rank's zigzag chunks), scale and backend; whether the
-    QKV projection has a bias (a shard is then Wqkv, bqkv, Wproj); the overlap switch."""
+    the one weight shards are broadcast over; ``split_heads(qkv, rope) -> q, k, v`` for one
+    head group (q/k norms and RoPE: the layer's local stage) and its RoPE tables; the
+    attention blocks of this rank (:func:`zigzag_blocks`), scale and kernel; whether the QKV
+    projection has a bias (a shard is then Wqkv, bqkv, Wproj); the overlap switch and
+    lookahead; the model's layer chain and the module (:mod:`prefetch`)."""
 
     kv_group: dist.ProcessGroup
     weight_group: dist.ProcessGroup
     split_heads: Callable
-    indices: zigzag.Indices
-    chunk_ids: Tuple[int, int]
+    rope: Rope
+    blocks: List[Tuple[int, int, int, int, bool]]
     softmax_scale: float
     backend: str
     hidden_size: int
     head_dim: int
     has_bias: bool
-    overlap: bool = True
+    overlap: bool
+    lookahead: int
+    chain: LayerChain
+    module: object
 
-    @property
-    def n_shard(self) -> int:
-        return 3 if self.has_bias else 2
-
-    def attend(self, query, keys, values):
-        """Causal attention of local queries against the gathered keys: out ``[s, b, a/D, d]``
-        and its log-sum-exp ``[b, a/D, s]``."""
-        return block_attention_forward(query, keys, values, self.chunk_ids, self.softmax_scale, self.backend)
-
-    def attend_backward(self, d_out, query, keys, values, out, lse):
-        return block_attention_backward(d_out, query, keys, values, out, lse, self.chunk_ids,
-                                        self.softmax_scale, self.backend)
+    def columns(self, r: int) -> slice:
+        """Head group r's columns of the concatenated attention output O (and rows of
+        Wproj^T): its h/D input features of the output projection."""
+        width = self.hidden_size // self.kv_group.size()
+        return slice(r * width, (r + 1) * width)
 
 
 class HeadGroup(NamedTuple):
-    """Forward, one head group: its weight shard, its queries for this rank's tokens, and its
-    keys and values being gathered."""
+    """Forward, one head group: its queries for this rank's tokens, and its K/V being gathered."""
 
-    shard: Shard
     query: torch.Tensor
     kv: GatherKV
 
 
-class Saved(NamedTuple):
-    """What the forward keeps for backward (by ``save_for_backward``, so that saved-tensor
-    hooks see it): per head group r the projection ``m_r``, attention output ``o_r`` and
-    log-sum-exp ``lse_r`` of this rank's tokens."""
-
-    freqs: Optional[torch.Tensor]
-    x: torch.Tensor
-    own: List[torch.Tensor]
-    replicated: List[torch.Tensor]
-    projections: List[torch.Tensor]
-    outputs: List[torch.Tensor]
-    lses: List[torch.Tensor]
-
-    def save(self, ctx) -> None:
-        ctx.saved_layout = (len(self.own), len(self.replicated), len(self.projections))
-        ctx.save_for_backward(self.freqs, self.x, *self.own, *self.replicated, *self.projections, *self.outputs,
-                              *self.lses)
-
-    @classmethod
-    def load(cls, ctx) -> "Saved":
-        n_own, n_rep, d = ctx.saved_layout
-        freqs, x, *rest = ctx.saved_tensors
-        cuts = [n_own, n_own + n_rep, n_own + n_rep + d, n_own + n_rep + 2 * d]
-        parts = [rest[a:b] for a, b in zip([0] + cuts, cuts + [len(rest)])]
-        return cls(freqs, x, *(list(p) for p in parts))
-
-
 class StreamAttentionHeads(torch.autograd.Function):
-    """y_p = sum_r attn(x_p; W_r) Wproj_r^T with W_r broadcast from rank r (module docstring).
+    """y_p = (concat_r attn(x_p; W_r)) Wproj^T with W_r broadcast from rank r (module docstring).
 
-    Forward: the QKV projection runs one head group ahead, so that group r+1's K/V
-    all-gather is in flight while group r attends (the stream meanwhile broadcasts W_{r+2}:
-    group r's output projection, group r+1's shard and the one in flight are alive, three
-    shards at most). Backward re-broadcasts W_r, re-gathers K_r, V_r from ``m_r`` and runs
-    the attention kernels' backward from ``(o_r, lse_r)``: no attention forward and no
-    projection GEMM is recomputed. Group r+1's K/V gather is started before group r's
-    attention backward, and group r's dK/dV reduce-scatter is in flight while group r+1
-    computes (group r's weight gradients are finished after it). Sums run in the same order
-    with and without overlap (``args.overlap``), so results are bit-identical.
+    Forward, per head group r (explicit loop): the broadcasts of the next ``lookahead``
+    shards are in flight; group r+1 is projected and its K/V all-gather started before group
+    r attends, so that the gather runs during the attention. Group r's attention output goes
+    into its columns of O, its projection shard into its columns of Wproj, and its weight
+    buffer goes. Backward re-broadcasts W_r, re-gathers K_r, V_r from the saved projection
+    ``m_r`` and runs the attention kernels' backward from ``(O_r, lse_r)``: no attention
+    forward and no projection GEMM is recomputed. Group r+1's K/V gather is started before
+    group r's attention backward, and group r's dK/dV reduce-scatter is in flight while group
+    r+1 computes (group r's input and weight gradients are finished after it). Sums run in
+    the same order with and without overlap (``args.overlap``), so results are bit-identical.
     """
 
     @staticmethod
-    def forward(ctx, args: AttentionScheduleArgs, freqs, x, *params):
-        own, replicated = params[: args.n_shard], params[args.n_shard :]
+    def forward(ctx, args: AttentionScheduleArgs, x, *params):
+        n_shard = 3 if args.has_bias else 2
+        own, replicated = params[:n_shard], params[n_shard:]
         d_size = args.kv_group.size()
-        y = torch.zeros(x.shape[:2] + (args.hidden_size,), dtype=torch.float32, device=x.device)
-        projections, outputs, lses = [], [], []
+        out = x.new_empty(x.shape[:2] + (args.hidden_size,))  # O: head group r in columns(r)
+        proj = own[-1] if d_size == 1 else own[-1].new_empty(own[-1].size(0), args.hidden_size)
+        projections, lses = [None] * d_size, [None] * d_size
         with comm.InFlight() as inflight:
-            shards = iter(ShardStream(own, args.weight_group, inflight, overlap=args.overlap))
+            stream = WeightBroadcast(own, args.weight_group, inflight, first=args.chain.take(args.module))
 
-            def project(r: int) -> Optional[HeadGroup]:
-                if r == d_size:
-                    return None
-                _, shard = next(shards)
+            def project(r: int) -> HeadGroup:
+                shard = stream.wait(r)
                 mixed = F.linear(x, *shard[:-1])
-                projections.append(mixed)
-                query, key, value = args.split_heads(mixed, freqs)
-                return HeadGroup(shard, query, GatherKV(key, value, args.kv_group, args.indices, inflight))
+                projections[r] = mixed
+                query, key, value = args.split_heads(mixed, args.rope)
+                local = send_buffer(key.size(0), key)
+                local[:, 0].copy_(key)
+                local[:, 1].copy_(value)
+                if d_size > 1:
+                    proj[:, args.columns(r)].copy_(shard[-1])
+                stream.release(r)
+                return HeadGroup(query, GatherKV(local, args.kv_group, inflight) if d_size > 1 else local)
 
+            ahead = args.lookahead if args.overlap else 0
+            for r in range(1 + ahead):
+                stream.start(r)
             group = project(0)
             for r in range(d_size):
-                with ahead(partial(project, r + 1), args.overlap) as upcoming:
-                    out, lse = args.attend(group.query, *group.kv.wait())
-                    out = out.flatten(2)
-                    y += F.linear(out, group.shard[-1])
-                    outputs.append(out)
-                    lses.append(lse)
-                group = upcoming.value
-            for _ in shards:  # let the stream finish its last step
-                pass
+                upcoming = None
+                if args.overlap:
+                    stream.start(r + 1 + ahead)
+                    if r == d_size - 1:  # the next layer's first shard travels during this last group
+                        args.chain.post_next(args.module, backward=False)
+                    upcoming = project(r + 1) if r + 1 < d_size else None
+                keys, values = group.kv.wait() if d_size > 1 else (group.kv[:, 0], group.kv[:, 1])
+                o = out[..., args.columns(r)].view(out.shape[:2] + (-1, args.head_dim))
+                lses[r] = attend_into(group.query, keys, values, args.blocks, args.softmax_scale, args.backend, o)
+                if not args.overlap and r + 1 < d_size:
+                    stream.start(r + 1)
+                    upcoming = project(r + 1)
+                group = upcoming
+        y = F.linear(out, proj)  # one GEMM over the head groups: fp32 inside, rounded once
         ctx.args = args
-        Saved(freqs, x, own, replicated, projections, outputs, lses).save(ctx)
-        return y.to(x.dtype)
+        Saved(x, out, own, replicated, projections, lses).save(ctx)
+        return y
 
     @staticmethod
     def backward(ctx, dy):
         args: AttentionScheduleArgs = ctx.args
         saved = Saved.load(ctx)
         grads = HeadGroupGradients(args, dy, saved)
+        d_size = args.kv_group.size()
         with comm.InFlight() as inflight:
-            shards = ShardStream(saved.own, args.weight_group, inflight, overlap=args.overlap)
-            scattering = OneBehind(args.overlap)  # a group whose dK/dV are being reduce-scattered
+            stream = WeightBroadcast(saved.own, args.weight_group, inflight, first=args.chain.take(args.module))
+            ahead = args.lookahead if args.overlap else 0
+            for r in range(1 + ahead):
+                stream.start(r)
             inputs = grads.inputs(0, inflight)
-            for r, shard in shards:
-                with ahead(partial(grads.inputs, r + 1, inflight), args.overlap) as upcoming:
-                    finished = scattering.swap(grads.attention(r, shard, inputs, inflight))
-                    if finished is not None:
-                        grads.weights(finished, shards)
-                inputs = upcoming.value
-            last = scattering.flush()
-            if last is not None:
-                grads.weights(last, shards)
-            own_grads = shards.own_grads()
-        return (None, None, grads.dx.to(saved.x.dtype), *own_grads,
+            scattering: Optional[HeadGroupAttentionGrads] = None  # dK/dV being reduce-scattered
+            for r in range(d_size):
+                upcoming = None
+                if args.overlap:
+                    stream.start(r + 1 + ahead)
+                    if r == d_size - 1:
+                        args.chain.post_next(args.module, backward=True)
+                    upcoming = grads.inputs(r + 1, inflight) if r + 1 < d_size else None
+                shard = stream.wait(r)
+                finished = grads.attention(r, shard, inputs, stream, inflight)
+                if args.overlap:
+                    finished, scattering = scattering, finished
+                if finished is not None:
+                    grads.weights(finished, stream)
+                if not args.overlap and r + 1 < d_size:
+                    stream.start(r + 1)
+                    upcoming = grads.inputs(r + 1, inflight)
+                inputs = upcoming
+            if scattering is not None:
+                grads.weights(scattering, stream)
+            own_grad = stream.own_grad()
+        return (None, grads.dx.view_as(saved.x).to(saved.x.dtype), *deliver_grads(saved.own, own_grad),
                 *(g.to(p.dtype) for g, p in zip(grads.d_replicated, saved.replicated)))
+
+
+class Saved(NamedTuple):
+    """What the forward keeps for backward (by ``save_for_backward``, so that saved-tensor
+    hooks see it): the input, the concatenated attention output O, and per head group r the
+    projection ``m_r`` and log-sum-exp ``lse_r`` of this rank's tokens."""
+
+    x: torch.Tensor
+    out: torch.Tensor
+    own: List[torch.Tensor]
+    replicated: List[torch.Tensor]
+    projections: List[torch.Tensor]
+    lses: List[torch.Tensor]
+
+    def save(self, ctx) -> None:
+        ctx.saved_layout = (len(self.own), len(self.replicated), len(self.projections))
+        ctx.save_for_backward(self.x, self.out, *self.own, *self.replicated, *self.projections, *self.lses)
+
+    @classmethod
+    def load(cls, ctx) -> "Saved":
+        n_own, n_rep, d = ctx.saved_layout
+        x, out, *rest = ctx.saved_tensors
+        cuts = [n_own, n_own + n_rep, n_own + n_rep + d]
+        parts = [rest[a:b] for a, b in zip([0] + cuts, cuts + [len(rest)])]
+        return cls(x, out, *(list(p) for p in parts))
 
 
 class HeadGroupInputs(NamedTuple):
@@ -307,57 +393,67 @@ class HeadGroupInputs(NamedTuple):
     query: torch.Tensor
     key: torch.Tensor
     value: torch.Tensor
-    kv: GatherKV
+    kv: object
 
 
 class HeadGroupAttentionGrads(NamedTuple):
-    """Backward, one head group after its attention backward: dq, its dK/dV being
-    reduce-scattered to the token owners, and its output projection's partial gradient."""
+    """Backward, one head group after its attention backward: its weight shard, dq, its
+    dK/dV being reduce-scattered to the token owners, and the fp32 buffer its weight
+    gradients go into (the output projection's is written already)."""
 
     r: int
-    shard: Shard
+    shard: List[torch.Tensor]
     inputs: HeadGroupInputs
     dq: torch.Tensor
-    dkv: ScatterKVGrads
-    d_proj: torch.Tensor
+    dkv: object
+    flat: torch.Tensor
 
 
 class HeadGroupGradients:
     """The backward of one head group r, in three stages the schedule interleaves across
     groups: :meth:`inputs` (q, k, v from the saved projection, K/V gather started),
     :meth:`attention` (dWproj, attention backward up to dq, dK/dV reduce-scatter started),
-    :meth:`weights` (dx, dWqkv reduced to its owner, norm gradients, once dK/dV are back).
-    ``dx`` and the norm gradients are summed over head groups in fp32."""
+    :meth:`weights` (dx, dWqkv, reduce to the owner, once dK/dV are back). ``dx`` is summed
+    over head groups inside its GEMMs, in fp32; the norm gradients in fp32."""
 
     def __init__(self, args: AttentionScheduleArgs, dy, saved: Saved):
         self.args, self.dy, self.saved = args, dy, saved
         self.dy2d = dy.reshape(-1, dy.size(-1))
         self.x2d = saved.x.reshape(-1, saved.x.size(-1))
-        self.dx = torch.zeros_like(saved.x, dtype=torch.float32)
+        self.out2d = saved.out.view(-1, saved.out.size(-1))
+        self.dx: Optional[torch.Tensor] = None
         self.d_replicated = [torch.zeros_like(p, dtype=torch.float32) for p in saved.replicated]
 
-    def inputs(self, r: int, inflight: comm.InFlight) -> Optional[HeadGroupInputs]:
-        if r == len(self.saved.projections):
-            return None
+    def inputs(self, r: int, inflight: comm.InFlight) -> HeadGroupInputs:
         mixed = self.saved.projections[r].detach().requires_grad_()
         with torch.enable_grad():
-            q, k, v = self.args.split_heads(mixed, self.saved.freqs)
-        return HeadGroupInputs(mixed, q, k, v, GatherKV(k.detach(), v.detach(), self.args.kv_group,
-                                                        self.args.indices, inflight))
+            q, k, v = self.args.split_heads(mixed, self.args.rope)
+        local = send_buffer(k.size(0), k)
+        local[:, 0].copy_(k.detach())
+        local[:, 1].copy_(v.detach())
+        kv = GatherKV(local, self.args.kv_group, inflight) if self.args.kv_group.size() > 1 else local
+        return HeadGroupInputs(mixed, q, k, v, kv)
 
-    def attention(self, r: int, shard: Shard, inputs: HeadGroupInputs, inflight: comm.InFlight
-                  ) -> HeadGroupAttentionGrads:
-        out = self.saved.outputs[r]
-        d_proj = grad_product(self.dy2d, out.reshape(-1, out.size(-1)))
-        d_out = (self.dy @ shard[-1]).view(out.shape[:2] + (-1, self.args.head_dim))
-        keys, values = inputs.kv.wait()
-        dq, d_keys, d_values = self.args.attend_backward(d_out, inputs.query.detach(), keys, values,
-                                                         out.view_as(d_out), self.saved.lses[r])
-        dkv = ScatterKVGrads(d_keys, d_values, self.args.kv_group, self.args.indices, inflight)
-        return HeadGroupAttentionGrads(r, shard, inputs, dq, dkv, d_proj)
+    def attention(self, r: int, shard, inputs: HeadGroupInputs, stream: WeightBroadcast,
+                  inflight: comm.InFlight) -> HeadGroupAttentionGrads:
+        args = self.args
+        flat = stream.grad_buffer()
+        cols = args.columns(r) if args.kv_group.size() > 1 else slice(None)
+        gemm_t(self.dy2d, self.out2d[:, cols], out=unpack(flat, self.saved.own)[-1])  # dWproj_r
+        d_out = (self.dy @ shard[-1]).view(self.dy.shape[:2] + (-1, args.head_dim))
+        out = self.saved.out[..., cols].view(d_out.shape)
+        if args.kv_group.size() > 1:
+            keys, values = inputs.kv.wait()
+        else:
+            keys, values = inputs.kv[:, 0], inputs.kv[:, 1]
+        dkv = grad_buffer(keys.size(0), keys)
+        dq = attend_backward_into(d_out, inputs.query.detach(), keys, values, out, self.saved.lses[r],
+                                  args.blocks, args.softmax_scale, args.backend, dkv[:, 0], dkv[:, 1])
+        scatter = ScatterKVGrads(dkv, args.kv_group, inflight) if args.kv_group.size() > 1 else dkv
+        return HeadGroupAttentionGrads(r, shard, inputs, dq, scatter, flat)
 
-    def weights(self, g: HeadGroupAttentionGrads, shards: ShardStream) -> None:
-        dk, dv = g.dkv.wait()
+    def weights(self, g: HeadGroupAttentionGrads, stream: WeightBroadcast) -> None:
+        dk, dv = g.dkv.wait() if self.args.kv_group.size() > 1 else (g.dkv[:, 0], g.dkv[:, 1])
         key, value = g.inputs.key, g.inputs.value
         d_mixed, *d_norms = torch.autograd.grad(
             (g.inputs.query, key, value), (g.inputs.mixed, *self.saved.replicated),
@@ -365,6 +461,10 @@ class HeadGroupGradients:
         for acc, d in zip(self.d_replicated, d_norms):
             acc += d
         d_mixed2d = d_mixed.reshape(-1, d_mixed.size(-1))
-        self.dx += (d_mixed2d @ g.shard[0]).view_as(self.saved.x)
-        d_qkv = [grad_product(d_mixed2d, self.x2d)] + ([d_mixed2d.float().sum(0)] if self.args.has_bias else [])
-        shards.reduce_grad(g.r, [*d_qkv, g.d_proj])
+        self.dx = gemm(d_mixed2d, g.shard[0], out=self.dx, accumulate=self.dx is not None)
+        views = unpack(g.flat, self.saved.own)
+        gemm_t(d_mixed2d, self.x2d, out=views[0])
+        if self.args.has_bias:
+            torch.sum(d_mixed2d, dim=0, dtype=torch.float32, out=views[1])
+        stream.release(g.r)
+        stream.reduce(g.r, g.flat)

@@ -1,9 +1,12 @@
 """Causal attention of zigzag query chunks as blocks merged by log-sum-exp (docs/design.md s. 5).
 
 One op serves TSP and every baseline, so that a comparison is of parallelism, not of
-kernels. ``block_attention(q, k, v, chunk_ids, scale, backend)``: ``q`` holds ``n`` equal
-query chunks of length ``c``; chunk ``i`` sits at global chunk ``g = chunk_ids[i]`` of the
-keys ``k``, ``v`` (global order), and sees keys ``[0, (g+1)·c)`` causally. A kernel whose
+kernels: attention over a list of *blocks* (query rows, key rows, causal or not), each one
+kernel call, merged per query rows by log-sum-exp. ``block_attention(q, k, v, chunk_ids,
+scale, backend)`` (the baselines): ``q`` holds ``n`` equal query chunks of length ``c``;
+chunk ``i`` sits at global chunk ``g = chunk_ids[i]`` of the keys ``k``, ``v`` (global
+order), and sees keys ``[0, (g+1)·c)`` causally (:func:`blocks`). TSP gathers its keys in
+another order and attends through :func:`attend_into` with :func:`zigzag_blocks`. A kernel whose
 causal mask is aligned bottom-right when ``sq < sk`` (query ``i`` sees keys up to
 ``sk - sq + i``: flash-attn >= 2.1) computes that in one call per chunk. Any other kernel
 gets two blocks per chunk,
@@ -13,13 +16,17 @@ gets two blocks per chunk,
 
 each returning its output ``o_j`` and log-sum-exp ``l_j``, merged exactly as
 
-    lse = log(sum_j exp(l_j)),      out = sum_j exp(l_j - lse) · o_j.
+    lse = log(sum_j exp(l_j)),      out = sum_j exp(l_j - lse) · o_j
+
+(two blocks: ``out = lerp(o_1, o_2, exp(l_2 - lse))``, one elementwise kernel that computes in
+fp32 and rounds once).
 
 Plain causal attention of a whole sequence is ``chunk_ids = [0]``; a zigzag rank r of D holds
 ``chunk_ids = [r, 2D-1-r]``. The op saves ``(q, k, v, out, lse)``; its backward calls each
 block's kernel backward with the *merged* ``out`` and ``lse`` (then every block's softmax is
-already the global one: ``P_j = exp(S_j - lse)``) and sums dQ, dK, dV over blocks in fp32:
-the forward never runs again. No ``sq x sk`` tensor exists outside a kernel. Under
+already the global one: ``P_j = exp(S_j - lse)``) and sums dQ over a chunk's blocks and dK, dV
+over blocks in fp32, dK and dV into a buffer the caller may give (TSP's reduce-scatter
+buffer): the forward never runs again. No ``sq x sk`` tensor exists outside a kernel. Under
 FakeTensorMode (the memory planner, the fake-CUDA tests) the op runs the same kernel calls
 through their meta functions, so a wrong argument or shape fails there as on a GPU.
 
@@ -35,7 +42,8 @@ with grouped-query K/V (fewer k/v heads):
 * ``math``: softmax attention written out (fp32 scores), the reference of the tests.
 
 ``auto`` (:func:`resolve_backend`) is ``flash`` on a GPU for fp16/bf16, ``efficient`` for
-fp32, ``cpu`` on the CPU: decided by the tensors' device and dtype at the first call. The
+fp32, ``cpu`` on the CPU: decided by the tensors' device and dtype at the first call; ``gpu``
+is what ``auto`` picks on a GPU, on the memory planner's fake tensors wherever they live. The
 first use of a GPU backend on a device and dtype checks it (:func:`check_backend`) in the
 real layout against ``math``, and learns whether its causal mask is aligned bottom-right.
 """
@@ -51,26 +59,67 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils.flop_counter import register_flop_formula
 
-BACKENDS = ("auto", "flash", "cudnn", "efficient", "flash_attn", "cpu", "math")
+BACKENDS = ("auto", "gpu", "flash", "cudnn", "efficient", "flash_attn", "cpu", "math")
 GPU_BACKENDS = ("flash", "cudnn", "efficient", "flash_attn")
 HALF_ONLY = ("flash", "cudnn", "flash_attn")
 
-Block = Tuple[int, int, int, bool]  # query chunk, first key, end key, causal
+Block = Tuple[int, int, int, int, bool]  # query rows [q0, q1), key rows [k0, k1), causal
 
 
 def blocks(chunk_ids: Sequence[int], chunk: int, bottom_right: bool = False) -> List[Block]:
-    """The kernel calls of a rank's query chunks, in the order the op issues them: one
-    causal call on the whole key prefix per chunk when the kernel aligns its causal mask
-    bottom-right, else a full block (keys before the chunk) and a square causal block."""
+    """The kernel calls of query chunks against keys in *global order* (chunk i of the
+    queries is global chunk ``chunk_ids[i]``): one causal call on the whole key prefix per
+    chunk when the kernel aligns its causal mask bottom-right, else a full block (keys
+    before the chunk) and a square causal block."""
     out = []
     for i, g in enumerate(chunk_ids):
+        rows = (i * chunk, (i + 1) * chunk)
         if bottom_right:
-            out.append((i, 0, (g + 1) * chunk, True))
+            out.append((*rows, 0, (g + 1) * chunk, True))
             continue
         if g > 0:
-            out.append((i, 0, g * chunk, False))
-        out.append((i, g * chunk, (g + 1) * chunk, True))
+            out.append((*rows, 0, g * chunk, False))
+        out.append((*rows, g * chunk, (g + 1) * chunk, True))
     return out
+
+
+def zigzag_blocks(size: int, rank: int, chunk: int, bottom_right: bool = False) -> List[Block]:
+    """The kernel calls of TSP rank ``rank``'s queries (its chunks r and 2D-1-r, in that
+    order) against keys gathered in the *zigzag layout* (:class:`megatron_tsp.core.kv.GatherKV`):
+    key slot q < D holds chunk 2D-1-q, slot D+q chunk q. Query chunk r sees the contiguous
+    natural prefix of chunks 0..r (slots D..D+r): one bottom-right causal call (or a full
+    block and a square causal one). Query chunk 2D-1-r sees its own chunk (slot r: a square
+    causal block) and every chunk in slots r+1..2D-1, all of them earlier: one full block.
+    Diagonal first, so that a backward touches the keys of chunk 2D-1-r's blocks first
+    (the wider ones)."""
+    d, r, c = size, rank, chunk
+    first, second = (0, c), (c, 2 * c)
+    out = [(*second, r * c, (r + 1) * c, True), (*second, (r + 1) * c, 2 * d * c, False)]
+    if bottom_right:
+        out.append((*first, d * c, (d + r + 1) * c, True))
+    else:
+        if r > 0:
+            out.append((*first, d * c, (d + r) * c, False))
+        out.append((*first, (d + r) * c, (d + r + 1) * c, True))
+    return out
+
+
+def visible_pairs_of(blocks_: Sequence[Block]) -> int:
+    """(query, key) pairs the blocks compute: a full block all of its rows x keys, a causal
+    one (aligned bottom-right) a row i of n sees all but the last n-1-i keys."""
+    total = 0
+    for q0, q1, k0, k1, causal in blocks_:
+        n, m = q1 - q0, k1 - k0
+        total += n * m - (n * (n - 1) // 2 if causal else 0)
+    return total
+
+
+def _flat(blocks_: Sequence[Block]) -> List[int]:
+    return [int(x) for b in blocks_ for x in b]
+
+
+def _unflat(flat: Sequence[int]) -> List[Block]:
+    return [(flat[i], flat[i + 1], flat[i + 2], flat[i + 3], bool(flat[i + 4])) for i in range(0, len(flat), 5)]
 
 
 # ---- backends: one block, [b, h, s, d] in, (out, lse [b, h, sq] fp32) out ---------------------
@@ -282,18 +331,23 @@ def select_backend(name: str) -> str:
     return name
 
 
-def resolve_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
+def resolve_backend(name: str, device: torch.device, dtype: torch.dtype, planned: bool = False) -> str:
     """The kernel a backend name means on ``device`` for ``dtype`` (``auto``: the fastest
-    there is), or a one-line ValueError when the kernel cannot run there."""
-    gpu = device.type == "cuda"
-    if name == "auto":
-        if not gpu:
-            return "cpu"
+    there is; ``gpu``: what ``auto`` picks on a GPU), or a one-line ValueError when the
+    kernel cannot run there. ``planned``: the tensors are fake (the memory planner), and a
+    GPU kernel's meta function runs on any device."""
+    gpu = device.type == "cuda" or planned
+    if name == "gpu" and not gpu:
+        raise ValueError("attention backend 'gpu' plans a GPU's kernels, on fake tensors only (the memory planner); "
+                         "use 'auto'")
+    if name == "auto" and device.type != "cuda":
+        return "cpu"
+    if name in ("auto", "gpu"):
         return "flash" if dtype in (torch.float16, torch.bfloat16) else "efficient"
     if name in GPU_BACKENDS and not gpu:
         raise ValueError(f"attention backend {name!r} runs on CUDA/ROCm GPUs only (tensors on {device.type}); "
                          "use 'auto'")
-    if name == "cpu" and gpu:
+    if name == "cpu" and device.type == "cuda":
         raise ValueError("attention backend 'cpu' runs on the CPU only; use 'auto'")
     if name in HALF_ONLY and dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"attention backend {name!r} takes fp16/bf16 only (got {dtype}); use 'auto' or 'efficient'")
@@ -301,13 +355,22 @@ def resolve_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
 
 
 _CHECKED: Dict[Tuple[str, str, torch.dtype], bool] = {}  # (backend, device type, dtype) -> bottom_right
+# How torch's GPU kernels align a causal mask when sq < sk, on CUDA: its flash kernel is
+# FlashAttention-2 (bottom-right since 2.1); the memory-efficient and cuDNN kernels take
+# ``is_causal`` top-left. What the memory planner's fake tensors assume; a real device checks.
+_ON_A_GPU = {"flash": True, "cudnn": False, "efficient": False}
 
 
-def bottom_right(backend: str, device: torch.device, dtype: torch.dtype) -> bool:
+def bottom_right(backend: str, device: torch.device, dtype: torch.dtype, planned: bool = False) -> bool:
     """Whether ``backend``'s causal mask is aligned bottom-right when sq < sk: known, or as
-    :func:`check_backend` found it; False before a check (fake tensors cannot be checked)."""
+    :func:`check_backend` found it; for fake tensors (``planned``), as on a CUDA GPU; else
+    False before a check."""
     known = _KERNELS[backend].bottom_right
-    return known if known is not None else _CHECKED.get((backend, device.type, dtype), False)
+    if known is not None:
+        return known
+    if (backend, device.type, dtype) in _CHECKED:
+        return _CHECKED[(backend, device.type, dtype)]
+    return _ON_A_GPU.get(backend, False) if planned else False
 
 
 def check_backend(backend: str, device: torch.device, dtype: torch.dtype) -> None:
@@ -349,74 +412,129 @@ def check_backend(backend: str, device: torch.device, dtype: torch.dtype) -> Non
     _CHECKED[key] = aligned
 
 
-# ---- the op -----------------------------------------------------------------------------------
-def _forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_ids: List[int], scale: float,
-                  backend: str) -> Tuple[torch.Tensor, torch.Tensor]:
-    fake = is_fake(q)
-    backend = resolve_backend(backend, q.device, q.dtype)
-    if not fake:
+# ---- the op ----------------------------------------------------------------------------------
+def _kernel(backend: str, q: torch.Tensor) -> Tuple[str, type]:
+    backend = resolve_backend(backend, q.device, q.dtype, planned=is_fake(q))
+    if not is_fake(q):
         check_backend(backend, q.device, q.dtype)
-    kernel = _KERNELS[backend]
-    chunk = q.size(2) // len(chunk_ids)
-    out = torch.empty_like(q)
+    return backend, _KERNELS[backend]
+
+
+def _by_query(blocks_: Sequence[Block]) -> Dict[Tuple[int, int], List[Block]]:
+    rows: Dict[Tuple[int, int], List[Block]] = {}
+    for b in blocks_:
+        rows.setdefault((b[0], b[1]), []).append(b)
+    return rows
+
+
+def _forward_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks_flat: List[int], scale: float,
+                  backend: str, out: torch.Tensor) -> torch.Tensor:
+    """Attention of ``q`` ``[b, h, sq, d]`` against ``k``, ``v`` over the blocks, written into
+    ``out`` (any strides); returns the log-sum-exp ``[b, h, sq]`` (fp32). Blocks of the same
+    query rows are merged by their lse: out = lerp(o_1, o_2, exp(l_2 - lse)), computed in fp32
+    inside the elementwise kernel and rounded once."""
+    _, kernel = _kernel(backend, q)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-    calls = blocks(chunk_ids, chunk, bottom_right(backend, q.device, q.dtype))
-    for i in range(len(chunk_ids)):
-        rows = slice(i * chunk, (i + 1) * chunk)
+    for (q0, q1), row_blocks in _by_query(_unflat(blocks_flat)).items():
         acc = acc_lse = None
-        for _, k0, k1, causal in (b for b in calls if b[0] == i):
-            o, o_lse = kernel.forward(q[:, :, rows], k[:, :, k0:k1], v[:, :, k0:k1], causal, scale)
+        for _, _, k0, k1, causal in row_blocks:
+            o, o_lse = kernel.forward(q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], causal, scale)
             if acc is None:
                 acc, acc_lse = o, o_lse
-            else:  # exact merge of two softmax blocks (ring-flash-attention's update_out_and_lse), in fp32
-                new_lse = torch.logaddexp(acc_lse, o_lse)
-                acc = (acc.float() * torch.exp(acc_lse - new_lse).unsqueeze(-1)
-                       + o.float() * torch.exp(o_lse - new_lse).unsqueeze(-1))
-                acc_lse = new_lse
-        out[:, :, rows] = acc
-        lse[:, :, rows] = acc_lse
-    return out, lse
+                continue
+            new_lse = torch.logaddexp(acc_lse, o_lse)
+            weight = torch.exp(o_lse - new_lse).unsqueeze(-1).to(acc.dtype)
+            acc = torch.lerp(acc, o, weight)
+            acc_lse = new_lse
+        out[:, :, q0:q1].copy_(acc)
+        lse[:, :, q0:q1].copy_(acc_lse)
+    return lse
 
 
-def _backward_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                   lse: torch.Tensor, chunk_ids: List[int], scale: float,
-                   backend: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    backend = resolve_backend(backend, q.device, q.dtype)
-    kernel = _KERNELS[backend]
-    chunk = q.size(2) // len(chunk_ids)
-    dq = torch.zeros_like(q, dtype=torch.float32)
-    dk = torch.zeros_like(k, dtype=torch.float32)
-    dv = torch.zeros_like(v, dtype=torch.float32)
-    for i, k0, k1, causal in blocks(chunk_ids, chunk, bottom_right(backend, q.device, q.dtype)):
-        rows = slice(i * chunk, (i + 1) * chunk)
-        g = kernel.backward(dout[:, :, rows], q[:, :, rows], k[:, :, k0:k1], v[:, :, k0:k1],
-                            out[:, :, rows], lse[:, :, rows].contiguous(), causal, scale)
-        dq[:, :, rows] += g[0]
-        dk[:, :, k0:k1] += g[1]
-        dv[:, :, k0:k1] += g[2]
-    return dq.to(q.dtype), dk, dv
+def _forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks_flat: List[int], scale: float,
+                  backend: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    out = torch.empty_like(q)
+    return out, _forward_into(q, k, v, blocks_flat, scale, backend, out)
+
+
+def _backward_into(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                   lse: torch.Tensor, blocks_flat: List[int], scale: float, backend: str, dk: torch.Tensor,
+                   dv: torch.Tensor) -> torch.Tensor:
+    """Each block's kernel backward with the merged ``out`` and ``lse``. dK, dV go into the
+    caller's fp32 ``dk``, ``dv`` (any strides): copied where a block first touches keys,
+    added where blocks overlap, zero where none does; dq is returned in q's dtype, the sum
+    of a query chunk's blocks formed by one elementwise add (fp32 inside, rounded once)."""
+    _, kernel = _kernel(backend, q)
+    dq = torch.empty_like(q)
+    touched: List[Tuple[int, int]] = []  # key row ranges written so far
+    for (q0, q1), row_blocks in _by_query(_unflat(blocks_flat)).items():
+        acc = None
+        for _, _, k0, k1, causal in row_blocks:
+            g = kernel.backward(dout[:, :, q0:q1], q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1],
+                                out[:, :, q0:q1], lse[:, :, q0:q1].contiguous(), causal, scale)
+            acc = g[0] if acc is None else torch.add(acc, g[0])
+            for a, b, add in _cover(touched, k0, k1):
+                for buf, grad in ((dk, g[1]), (dv, g[2])):
+                    if add:
+                        buf[:, :, a:b].add_(grad[:, :, a - k0:b - k0])
+                    else:
+                        buf[:, :, a:b].copy_(grad[:, :, a - k0:b - k0])
+        dq[:, :, q0:q1].copy_(acc)
+    for a, b in _gaps(touched, dk.size(2)):
+        dk[:, :, a:b].zero_()
+        dv[:, :, a:b].zero_()
+    return dq
+
+
+def _cover(touched: List[Tuple[int, int]], k0: int, k1: int) -> List[Tuple[int, int, bool]]:
+    """Split key rows [k0, k1) into pieces already written (add) or not (copy); record them."""
+    cuts = sorted({k0, k1, *(x for a, b in touched for x in (a, b) if k0 < x < k1)})
+    pieces = [(a, b, any(ta <= a and b <= tb for ta, tb in touched)) for a, b in zip(cuts, cuts[1:])]
+    touched.append((k0, k1))
+    return pieces
+
+
+def _gaps(touched: List[Tuple[int, int]], n: int) -> List[Tuple[int, int]]:
+    gaps, pos = [], 0
+    for a, b in sorted(touched):
+        if a > pos:
+            gaps.append((pos, a))
+        pos = max(pos, b)
+    if pos < n:
+        gaps.append((pos, n))
+    return gaps
 
 
 # The fake implementations are the real ones: under FakeTensorMode every kernel call runs
 # through its meta function, with the arguments a GPU would get.
 _block_attention = torch.library.custom_op("megatron_tsp::block_attention", mutates_args=())(_forward_impl)
 _block_attention.register_fake(_forward_impl)
+_block_attention_into = torch.library.custom_op("megatron_tsp::block_attention_into",
+                                                mutates_args=("out",))(_forward_into)
+_block_attention_into.register_fake(_forward_into)
 _block_attention_backward = torch.library.custom_op("megatron_tsp::block_attention_backward",
-                                                    mutates_args=())(_backward_impl)
-_block_attention_backward.register_fake(_backward_impl)
+                                                    mutates_args=("dk", "dv"))(_backward_into)
+_block_attention_backward.register_fake(_backward_into)
+
+# the Python implementation of each op (the memory tracker follows them inside)
+IMPLEMENTATIONS = {torch.ops.megatron_tsp.block_attention: _forward_impl,
+                   torch.ops.megatron_tsp.block_attention_into: _forward_into,
+                   torch.ops.megatron_tsp.block_attention_backward: _backward_into}
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, chunk_ids, scale, backend = inputs
+    q, k, v, blocks_flat, scale, backend = inputs
     out, lse = output
     ctx.mark_non_differentiable(lse)
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.args = (chunk_ids, scale, backend)
+    ctx.args = (blocks_flat, scale, backend)
 
 
 def _backward(ctx, dout, _dlse):
     q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = _block_attention_backward(dout, q, k, v, out, lse, *ctx.args)
+    dk = torch.empty_like(k, dtype=torch.float32)
+    dv = torch.empty_like(v, dtype=torch.float32)
+    dq = _block_attention_backward(dout, q, k, v, out, lse, *ctx.args, dk, dv)
     return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
@@ -429,30 +547,46 @@ def visible_pairs(chunk_ids: Sequence[int], chunk: int) -> int:
     return sum(chunk * g * chunk + chunk * (chunk + 1) // 2 for g in chunk_ids)
 
 
-def _forward_flops(q_shape, chunk_ids) -> int:
-    b, h, sq, d = q_shape
-    return 2 * 2 * b * h * d * visible_pairs(chunk_ids, sq // len(chunk_ids))  # QK^T and PV
+def _flops_of(q_shape, blocks_flat) -> int:
+    b, h, _, d = q_shape
+    return 2 * 2 * b * h * d * visible_pairs_of(_unflat(blocks_flat))  # QK^T and PV
 
 
 @register_flop_formula(torch.ops.megatron_tsp.block_attention)
-def _flops(q_shape, k_shape, v_shape, chunk_ids, *args, out_shape=None, **kwargs) -> int:
-    return _forward_flops(q_shape, chunk_ids)
+def _flops(q_shape, k_shape, v_shape, blocks_flat, *args, out_shape=None, **kwargs) -> int:
+    return _flops_of(q_shape, blocks_flat)
+
+
+@register_flop_formula(torch.ops.megatron_tsp.block_attention_into)
+def _flops_into(q_shape, k_shape, v_shape, blocks_flat, *args, out_shape=None, **kwargs) -> int:
+    return _flops_of(q_shape, blocks_flat)
 
 
 @register_flop_formula(torch.ops.megatron_tsp.block_attention_backward)
-def _flops_backward(dout_shape, q_shape, k_shape, v_shape, out_shape_, lse_shape, chunk_ids, *args,
+def _flops_backward(dout_shape, q_shape, k_shape, v_shape, out_shape_, lse_shape, blocks_flat, *args,
                     out_shape=None, **kwargs) -> int:
     # a flash backward recomputes QK^T and computes dV, dP, dQ, dK: 5 GEMMs to forward's 2
-    return _forward_flops(q_shape, chunk_ids) * 5 // 2
+    return _flops_of(q_shape, blocks_flat) * 5 // 2
+
+
+def _bhsd(*tensors):
+    """Megatron's ``[s, b, h, d]`` as the kernels' ``[b, h, s, d]`` (views)."""
+    return tuple(t.permute(1, 2, 0, 3) for t in tensors)
+
+
+def kernel_blocks(chunk_ids: Sequence[int], chunk: int, backend: str, query: torch.Tensor) -> List[Block]:
+    """:func:`blocks` for the kernel ``backend`` resolves to for ``query``."""
+    name = resolve_backend(backend, query.device, query.dtype, planned=is_fake(query))
+    return blocks(chunk_ids, chunk, bottom_right(name, query.device, query.dtype, planned=is_fake(query)))
 
 
 def block_attention_forward(query, keys, values, chunk_ids: Sequence[int], scale: float, backend: str):
     """Megatron layout: query ``[sq, b, hq, d]`` (its chunks at ``chunk_ids``), keys/values
     ``[sk, b, hk, d]`` in global order, hq a multiple of hk. Returns ``out [sq, b, hq, d]``
-    and ``lse [b, hq, sq]`` (fp32): under autograd the op's own backward applies; a
-    hand-written schedule saves both for :func:`block_attention_backward`."""
-    q, k, v = (t.permute(1, 2, 0, 3) for t in (query, keys, values))
-    out, lse = _block_attention(q, k, v, list(chunk_ids), float(scale), backend)
+    and ``lse [b, hq, sq]`` (fp32); under autograd the op's own backward applies."""
+    q, k, v = _bhsd(query, keys, values)
+    chunk_blocks = kernel_blocks(chunk_ids, q.size(2) // len(chunk_ids), backend, query)
+    out, lse = _block_attention(q, k, v, _flat(chunk_blocks), float(scale), backend)
     return out.permute(2, 0, 1, 3), lse
 
 
@@ -461,12 +595,19 @@ def block_attention(query, keys, values, chunk_ids: Sequence[int], scale: float,
     return block_attention_forward(query, keys, values, chunk_ids, scale, backend)[0]
 
 
-def block_attention_backward(d_out, query, keys, values, out, lse, chunk_ids: Sequence[int], scale: float,
-                             backend: str):
-    """dq ``[sq, b, hq, d]`` in the query's dtype and dK, dV ``[sk, b, hk, d]`` in fp32 (a
-    caller sums them over ranks before rounding) from the saved forward: each block's kernel
-    backward with the merged lse; no attention forward runs."""
-    d_out, q, k, v, out = (t.permute(1, 2, 0, 3) for t in (d_out, query, keys, values, out))
-    grads = _block_attention_backward(d_out, q, k, v, out, lse, list(chunk_ids), float(scale), backend)
-    return tuple(g.permute(2, 0, 1, 3) for g in grads)
+def attend_into(query, keys, values, blocks_: Sequence[Block], scale: float, backend: str, out) -> torch.Tensor:
+    """Megatron layout, for a hand-written schedule: attention over explicit ``blocks_`` (rows
+    of query and keys) written into ``out`` ``[sq, b, hq, d]`` (a view of a bigger buffer
+    will do); returns the lse ``[b, hq, sq]`` to save for :func:`attend_backward_into`."""
+    q, k, v, o = _bhsd(query, keys, values, out)
+    return _block_attention_into(q, k, v, _flat(blocks_), float(scale), backend, o)
 
+
+def attend_backward_into(d_out, query, keys, values, out, lse, blocks_: Sequence[Block], scale: float,
+                         backend: str, d_keys, d_values) -> torch.Tensor:
+    """dq ``[sq, b, hq, d]`` in the query's dtype; dK, dV written into the caller's fp32
+    ``d_keys``, ``d_values`` ``[sk, b, hk, d]`` (views of the reduce-scatter buffer) from the
+    saved forward: each block's kernel backward with the merged lse; no attention forward."""
+    do, q, k, v, o, dk, dv = _bhsd(d_out, query, keys, values, out, d_keys, d_values)
+    dq = _block_attention_backward(do, q, k, v, o, lse, _flat(blocks_), float(scale), backend, dk, dv)
+    return dq.permute(2, 0, 1, 3)

@@ -73,9 +73,11 @@ class InFlight:
         return handle
 
     def wait(self, handle: Handle) -> None:
+        """Wait for ``handle`` (a second wait of the same transfer returns at once)."""
         for work in _works(handle):
-            work.wait()
-            self._handles.remove(work)
+            if work in self._handles:
+                work.wait()
+                self._handles.remove(work)
 
     def __enter__(self) -> "InFlight":
         return self

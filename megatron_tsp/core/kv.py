@@ -1,12 +1,18 @@
 """K/V exchange of zigzag-sharded attention: all-gather K/V, reduce-scatter dK/dV.
 
-A rank holds the tokens of zigzag chunks r and 2D-1-r (:mod:`megatron_tsp.core.zigzag`). Its keys
-and values are gathered over the group in *rank order* and re-indexed to global order, which
-is what :func:`megatron_tsp.core.block_attention.block_attention` expects; the gradient goes the other way
-(re-index to rank order, reduce-scatter: each rank receives the sum over ranks of the
-gradient of its own tokens, summed in the gradient's dtype: fp32 from the attention op).
-Both run asynchronously, so that a caller can attend with one head group while the next
-one's K/V travel (TSP).
+A rank r of D holds the tokens of zigzag chunks r and 2D-1-r (:mod:`megatron_tsp.core.zigzag`),
+``[2c, ...]`` with its first chunk on top. TSP gathers K/V with two all-gathers, of every
+rank's second chunks and of every rank's first chunks, into the *zigzag layout*
+
+    slot q < D: chunk 2D-1-q (rank q's second chunk)      slot D+q: chunk q (rank q's first)
+
+so that no re-indexing is needed: every query chunk's keys are contiguous there
+(:func:`megatron_tsp.core.block_attention.zigzag_blocks`). The gradient goes back the same
+way: two reduce-scatters of the fp32 ``[2Dc, 2, b, g, d]`` buffer the attention backward
+wrote dK/dV into hand each rank the sum over ranks of the gradient of its own two chunks.
+Both run asynchronously, so that a caller attends with one head group while the next one's
+K/V travel. The context-parallel baseline, which wants keys in global order, re-indexes
+(:class:`AllGatherKV`).
 """
 
 from __future__ import annotations
@@ -19,63 +25,81 @@ from megatron_tsp.core import comm
 from megatron_tsp.core.zigzag import Indices
 
 
-class GatherKV:
-    """Start ``K, V = all_gather_seq(k, v)``; :meth:`wait` returns them ``[S, b, g, d]`` in
-    global order. ``k``, ``v``: this rank's ``[S/D, b, g, d]`` in zigzag (rank) order."""
+def send_buffer(rows: int, like: torch.Tensor) -> torch.Tensor:
+    """This rank's ``[s, 2, b, g, d]`` K/V to gather (k at ``[:, 0]``, v at ``[:, 1]``), for a
+    caller to write its keys and values into (``like``: a ``[s, b, g, d]`` key)."""
+    return like.new_empty((rows, 2) + tuple(like.shape[1:]))
 
-    def __init__(self, key: torch.Tensor, value: torch.Tensor, group, indices: Indices, inflight: comm.InFlight):
-        local = torch.stack([key, value], dim=1).contiguous()  # [s, 2, b, g, d]: sequence first
-        self.full = local.new_empty((local.size(0) * group.size(),) + tuple(local.shape[1:]))
-        self.to_natural = indices.to_natural
+
+class GatherKV:
+    """Start ``K, V = all_gather(k, v)`` into the zigzag layout; :meth:`wait` returns them
+    ``[2Dc, b, g, d]`` (views of one buffer). ``local``: this rank's :func:`send_buffer`."""
+
+    def __init__(self, local: torch.Tensor, group, inflight: comm.InFlight):
+        d, c = group.size(), local.size(0) // 2
+        self.full = local.new_empty((2 * d * c,) + tuple(local.shape[1:]))
         self.inflight = inflight
-        self.handle = comm.all_gather(self.full, local, group, inflight)
-        self._local = local  # alive until the collective has read it
+        self.handles = [comm.all_gather(self.full[: d * c], local[c:], group, inflight),
+                        comm.all_gather(self.full[d * c :], local[:c], group, inflight)]
+        self._local = local  # alive until the collectives have read it
 
     def wait(self) -> Tuple[torch.Tensor, torch.Tensor]:
-        self.inflight.wait(self.handle)
-        full = self.full.index_select(0, self.to_natural)
-        del self.full, self._local
-        return full[:, 0], full[:, 1]
+        for handle in self.handles:
+            self.inflight.wait(handle)
+        del self._local
+        return self.full[:, 0], self.full[:, 1]
+
+
+def grad_buffer(rows: int, like: torch.Tensor) -> torch.Tensor:
+    """The fp32 ``[2Dc, 2, b, g, d]`` dK/dV of a head group in the zigzag layout, for the
+    attention backward to write into (``like``: a gathered key)."""
+    return like.new_empty((rows, 2) + tuple(like.shape[1:]), dtype=torch.float32)
 
 
 class ScatterKVGrads:
-    """Start ``dk, dv = reduce_scatter_seq(dK, dV)`` from full-sequence gradients in global
-    order; :meth:`wait` returns this rank's ``[S/D, b, g, d]`` (rank order), summed over ranks."""
+    """Start ``dk, dv = reduce_scatter(dK, dV)`` from the fp32 buffer of :func:`grad_buffer`;
+    :meth:`wait` returns this rank's ``[2c, b, g, d]`` (its own order), summed over ranks."""
 
-    def __init__(self, d_keys: torch.Tensor, d_values: torch.Tensor, group, indices: Indices,
-                 inflight: comm.InFlight):
-        # written in rank order in place: a stack and a re-index would hold two more copies of
-        # the group's fp32 dK/dV at the peak of a layer's backward
-        full = d_keys.new_empty((d_keys.size(0), 2) + tuple(d_keys.shape[1:]))
-        full[:, 0].index_copy_(0, indices.to_natural, d_keys)
-        full[:, 1].index_copy_(0, indices.to_natural, d_values)
-        self.local = full.new_empty((full.size(0) // group.size(),) + tuple(full.shape[1:]))
+    def __init__(self, full: torch.Tensor, group, inflight: comm.InFlight):
+        d = group.size()
+        c = full.size(0) // (2 * d)
+        self.local = full.new_empty((2 * c,) + tuple(full.shape[1:]))
         self.inflight = inflight
-        self.handle = comm.reduce_scatter(self.local, full, group, inflight)
-        self._full = full  # alive until the collective has read it
+        self.handles = [comm.reduce_scatter(self.local[c:], full[: d * c], group, inflight),
+                        comm.reduce_scatter(self.local[:c], full[d * c :], group, inflight)]
+        self._full = full  # alive until the collectives have read it
 
     def wait(self) -> Tuple[torch.Tensor, torch.Tensor]:
-        self.inflight.wait(self.handle)
+        for handle in self.handles:
+            self.inflight.wait(handle)
         del self._full
         return self.local[:, 0], self.local[:, 1]
 
 
 class AllGatherKV(torch.autograd.Function):
-    """K, V = all_gather_seq(k, v) in global order; backward: dk, dv = reduce_scatter(dK, dV).
+    """K, V = all_gather_seq(k, v) in *global* order; backward: dk, dv = reduce_scatter(dK, dV).
 
-    For layers that differentiate through the exchange with autograd (the context-parallel
-    baseline); TSP attention runs :class:`GatherKV` and :class:`ScatterKVGrads` inside its
-    own schedule.
+    For the context-parallel baseline (keys in global order for megatron's chunk layout, a
+    re-index each way); TSP attention gathers into the zigzag layout inside its own schedule.
     """
 
     @staticmethod
     def forward(ctx, key, value, group, indices: Indices):
         ctx.group, ctx.indices = group, indices
         with comm.InFlight() as inflight:
-            return GatherKV(key, value, group, indices, inflight).wait()
+            local = torch.stack([key, value], dim=1).contiguous()
+            full = local.new_empty((local.size(0) * group.size(),) + tuple(local.shape[1:]))
+            inflight.wait(comm.all_gather(full, local, group, inflight))
+        full = full.index_select(0, indices.to_natural)
+        return full[:, 0], full[:, 1]
 
     @staticmethod
     def backward(ctx, d_keys, d_values):
+        indices, group = ctx.indices, ctx.group
+        full = d_keys.new_empty((d_keys.size(0), 2) + tuple(d_keys.shape[1:]))
+        full[:, 0].index_copy_(0, indices.to_natural, d_keys)
+        full[:, 1].index_copy_(0, indices.to_natural, d_values)
+        local = full.new_empty((full.size(0) // group.size(),) + tuple(full.shape[1:]))
         with comm.InFlight() as inflight:
-            dk, dv = ScatterKVGrads(d_keys, d_values, ctx.group, ctx.indices, inflight).wait()
-        return dk, dv, None, None
+            inflight.wait(comm.reduce_scatter(local, full, group, inflight))
+        return local[:, 0], local[:, 1], None, None

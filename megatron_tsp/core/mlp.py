@@ -13,6 +13,11 @@ travelling behind each shard to its owner (``streaming.ShardRing``). Saved for b
 ``x_p`` and the fc1 output of every shard for this rank's tokens (1/D of what one device
 saves); only the elementwise activation is recomputed.
 
+Every sum over shards is made inside a GEMM, in fp32 (:mod:`megatron_tsp.core.gemm`): the output
+and the input gradient accumulate over the ring without a rounding, and each shard's weight
+gradient is written, then added to by the next holders, inside the fp32 buffer that carries
+it to its owner.
+
 It is TSP's MLP, and it drops into a tensor-parallel model as it is (``--ring-mlp``): TP's
 fc1 column and fc2 row shards are its shards, and TP+SP's pre-MLP norm hands it the
 sequence-sharded ``[S/D, b, h]`` its output goes back to; the MLP's activation collectives
@@ -37,8 +42,10 @@ from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_tsp.core import comm
+from megatron_tsp.core.gemm import gemm, gemm_t
 from megatron_tsp.core.parallel_state import is_tsp_group, resolve_ring_groups
-from megatron_tsp.core.streaming import ShardRing, grad_product, linear_pair_shard
+from megatron_tsp.core.prefetch import LayerChain
+from megatron_tsp.core.streaming import WeightRing, deliver_grads, linear_pair_shard, unpack
 from megatron_tsp.core.support import check_mlp_config, require
 
 
@@ -46,7 +53,8 @@ class TSPMLP(MLP):
     """Drop-in for megatron's ``MLP`` under TSP, or as the ring MLP of a TP model (same
     parameters, init and checkpoints; :func:`resolve_ring_groups` says which).
 
-    ``overlap_comm``: the next shard travels while this one computes.
+    ``overlap_comm``: the next shard travels while this one computes. ``chain``: the model's
+    :class:`~megatron_tsp.core.prefetch.LayerChain` (the spec passes one).
     """
 
     def __init__(
@@ -58,6 +66,7 @@ class TSPMLP(MLP):
         ffn_hidden_size: Optional[int] = None,
         tp_group: Optional[torch.distributed.ProcessGroup] = None,
         overlap_comm: bool = True,
+        chain: Optional[LayerChain] = None,
         pg_collection=None,
         is_mtp_layer: bool = False,
         **layer_kwargs,
@@ -77,10 +86,16 @@ class TSPMLP(MLP):
         self.tsp_group = group
         self.weight_group = weight_group
         self.overlap_comm = overlap_comm
+        self.chain = chain if chain is not None else LayerChain()
+        self.chain.register(self)
 
     def shard_tensors(self) -> List[torch.Tensor]:
         """This rank's shard, in the order it travels: W1, (b1), W2."""
         return linear_pair_shard(self.linear_fc1, self.linear_fc2)
+
+    def post_first_transfer(self):
+        """Post this layer's first ring exchange (own shard out, the neighbour's in): :mod:`prefetch`."""
+        return WeightRing.post(self.shard_tensors(), self.weight_group)
 
     def activation(self, h: torch.Tensor) -> torch.Tensor:
         """megatron's unfused MLP activation (mlp.py, MLP.forward), on one shard."""
@@ -97,7 +112,8 @@ class TSPMLP(MLP):
                 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         require("--num-experts", per_token_scale is not None, self.tsp_group.size(), "TSPMLP", self.under)
         args = MLPScheduleArgs(self.weight_group, self.activation, self.config.hidden_size,
-                               has_bias=self.linear_fc1.bias is not None, overlap=self.overlap_comm)
+                               has_bias=self.linear_fc1.bias is not None, overlap=self.overlap_comm,
+                               chain=self.chain, module=self)
         if self.config.sequence_parallel:
             return RotateMLPShards.apply(args, hidden_states, *self.shard_tensors()), self.linear_fc2.bias
         # replicated tokens: this rank's 1/D in, everyone's out (backward: the slice, then the gather)
@@ -111,57 +127,97 @@ class TSPMLP(MLP):
 class MLPScheduleArgs:
     """The arguments of :class:`RotateMLPShards`: the group the shards rotate over, the
     elementwise activation, the output width, whether fc1 has a bias (a shard is then W1, b1,
-    W2) and the overlap switch."""
+    W2), the overlap switch, and the model's layer chain and the module (:mod:`prefetch`)."""
 
     weight_group: dist.ProcessGroup
     activation: Callable[[torch.Tensor], torch.Tensor]
     hidden_size: int
     has_bias: bool
     overlap: bool = True
+    chain: Optional[LayerChain] = None
+    module: object = None
+
+    def first_transfer(self):
+        return self.chain.take(self.module) if self.chain is not None else None
+
+    def post_next(self, backward: bool) -> None:
+        if self.chain is not None:
+            self.chain.post_next(self.module, backward)
 
 
 class RotateMLPShards(torch.autograd.Function):
     """y_p = sum_j act(x_p W1_j^T + b1_j) W2_j^T over shards arriving on the ring, summed in
-    fp32 and rounded once.
+    fp32 inside the fc2 GEMMs and rounded once.
 
-    Saved: x_p and, per shard, this rank's fc1 output ``h_j`` (together 1/D of what one
-    device would save). Backward recomputes only the activation from ``h_j``; each shard's
-    partial weight gradients travel back to its owner in fp32 (``streaming.ShardRing``).
+    Each step t: post the ring exchange (this shard on, the next in; with ``overlap`` before
+    computing, else after), compute with shard j = (p - t) mod D, take the next shard. The
+    layer after this one gets its first shard posted during the last step
+    (:mod:`prefetch`). Saved: x_p and, per shard, this rank's fc1 output ``h_j`` (together 1/D
+    of what one device would save). Backward recomputes only the activation from ``h_j``;
+    each shard's weight gradients are written into, then added to, the fp32 accumulator that
+    travels the ring to their owner (:class:`~megatron_tsp.core.streaming.WeightRing`), and
+    the owner adds the sum into megatron's ``main_grad``.
     """
 
     @staticmethod
     def forward(ctx, args: MLPScheduleArgs, x, *own):
-        y = torch.zeros(x.shape[:-1] + (args.hidden_size,), dtype=torch.float32, device=x.device)
-        hidden = [None] * args.weight_group.size()
+        d_size = args.weight_group.size()
+        y = None
+        hidden = [None] * d_size
         with comm.InFlight() as inflight:
-            for j, shard in ShardRing(own, args.weight_group, inflight, overlap=args.overlap):
+            ring = WeightRing(own, args.weight_group, inflight, first=args.first_transfer())
+            for t in range(d_size):
+                shard = ring.shard()
+                ring.start(t)
+                if not args.overlap:
+                    ring.wait_all()
+                elif t == d_size - 1:
+                    args.post_next(backward=False)
                 h = F.linear(x, *shard[:-1])
-                y += F.linear(args.activation(h), shard[-1])
-                hidden[j] = h
+                a = args.activation(h)
+                y = gemm(a.reshape(-1, a.size(-1)), shard[-1].t(), out=y, accumulate=y is not None)
+                hidden[ring.shard_index(t)] = h
+                ring.advance()
         ctx.args = args
         ctx.n_shard = len(own)
         ctx.save_for_backward(x, *own, *hidden)
-        return y.to(x.dtype)
+        return y.view(x.shape[:-1] + (args.hidden_size,)).to(x.dtype)
 
     @staticmethod
     def backward(ctx, dy):
         args: MLPScheduleArgs = ctx.args
         x, *rest = ctx.saved_tensors
         own, hidden = rest[: ctx.n_shard], rest[ctx.n_shard :]
+        d_size = args.weight_group.size()
         dy2d = dy.reshape(-1, dy.size(-1))
         x2d = x.reshape(-1, x.size(-1))
-        dx = torch.zeros_like(x, dtype=torch.float32)
+        dx = None
         with comm.InFlight() as inflight:
-            shards = ShardRing(own, args.weight_group, inflight, overlap=args.overlap)
-            for j, shard in shards:
-                h = hidden[j].detach().requires_grad_()
+            ring = WeightRing(own, args.weight_group, inflight, backward=True, first=args.first_transfer())
+            for t in range(d_size):
+                shard = ring.shard()
+                ring.start(t)
+                if not args.overlap:
+                    ring.wait_all()
+                elif t == d_size - 1:
+                    args.post_next(backward=True)
+                h = hidden[ring.shard_index(t)].detach().requires_grad_()
                 with torch.enable_grad():
                     a = args.activation(h)
-                d_w2 = grad_product(dy2d, a.detach().reshape(-1, a.size(-1)))
                 (d_h,) = torch.autograd.grad(a, h, (dy2d @ shard[-1]).view_as(a))
                 d_h2d = d_h.reshape(-1, d_h.size(-1))
-                dx += (d_h2d @ shard[0]).view_as(x)
-                d_fc1 = [grad_product(d_h2d, x2d)] + ([d_h2d.float().sum(0)] if args.has_bias else [])
-                shards.add_grad([*d_fc1, d_w2])
-            own_grads = shards.own_grads()
-        return (None, dx.to(x.dtype), *own_grads)
+                dx = gemm(d_h2d, shard[0], out=dx, accumulate=dx is not None)
+                # the weight gradients last: the accumulator they add into arrives meanwhile
+                flat, add = ring.grad_buffer(t)
+                w1, *b1, w2 = unpack(flat, own)
+                gemm_t(d_h2d, x2d, out=w1, accumulate=add)
+                if args.has_bias:
+                    if add:
+                        b1[0].add_(d_h2d.sum(0, dtype=torch.float32))
+                    else:
+                        torch.sum(d_h2d, dim=0, dtype=torch.float32, out=b1[0])
+                gemm_t(dy2d, a.detach().reshape(-1, a.size(-1)), out=w2, accumulate=add)
+                ring.finish_grad(t, flat)
+                ring.advance()
+            own_grad = ring.own_grad()
+        return (None, dx.view_as(x).to(x.dtype), *deliver_grads(own, own_grad))

@@ -25,6 +25,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 from megatron_tsp.core.attention import TSPSelfAttention
 from megatron_tsp.core.mlp import TSPMLP
 from megatron_tsp.core.norm import TSPNorm
+from megatron_tsp.core.prefetch import LayerChain
 from megatron_tsp.core.zigzag import IndexCache
 
 
@@ -52,13 +53,17 @@ def get_gpt_layer_tsp_spec(
     overlap_comm: bool = True,
     attention_backend: str = "auto",
     fused_norm: bool = True,
+    lookahead: int = 1,
 ) -> ModuleSpec:
     """A ``TransformerLayer`` spec with TSP attention and MLP.
 
     The norm type (LayerNorm/RMSNorm) follows ``config.normalization``, as megatron's norms do.
     ``core_attention`` stays in the spec (unused by TSP) because Megatron-LM's builder may
-    write to ``spec.submodules.self_attention.submodules.core_attention``.
+    write to ``spec.submodules.self_attention.submodules.core_attention``. The layers built
+    from one spec share its zigzag index cache and layer chain (:mod:`prefetch`); ``lookahead``:
+    head-group shards in flight ahead of the one in use (each one more shard of memory).
     """
+    chain = LayerChain()  # one per model, not per layer
     logging.getLogger("megatron.core.transformer.transformer_layer").addFilter(_EXPECTED_MLP_WARNING)
     norm = norm_spec(fused_norm)
     qk_norm = norm if qk_layernorm else IdentityOp
@@ -73,6 +78,8 @@ def get_gpt_layer_tsp_spec(
                     "overlap_comm": overlap_comm,
                     "attention_backend": attention_backend,
                     "zigzag_indices": IndexCache(),  # one per model, not per layer
+                    "chain": chain,
+                    "lookahead": lookahead,
                 },
                 submodules=SelfAttentionSubmodules(
                     linear_qkv=ColumnParallelLinear,
@@ -86,7 +93,7 @@ def get_gpt_layer_tsp_spec(
             pre_mlp_layernorm=norm,
             mlp=ModuleSpec(
                 module=TSPMLP,
-                params={"overlap_comm": overlap_comm},
+                params={"overlap_comm": overlap_comm, "chain": chain},
                 submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
             ),
             mlp_bda=get_bias_dropout_add,
@@ -125,7 +132,7 @@ def with_ring_mlp(layer_spec: ModuleSpec, fused_norm: bool = True, overlap_comm:
     spec = copy.deepcopy(layer_spec)
     layer = spec.submodules
     layer.pre_mlp_layernorm = norm_spec(fused_norm)
-    layer.mlp = ModuleSpec(module=TSPMLP, params={"overlap_comm": overlap_comm},
+    layer.mlp = ModuleSpec(module=TSPMLP, params={"overlap_comm": overlap_comm, "chain": LayerChain()},
                            submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear))
     layer.sharded_state_dict_keys_map = dict(layer.sharded_state_dict_keys_map or {},
                                              **{"pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"})

@@ -1,87 +1,39 @@
-"""Moving weight shards past the tokens: broadcast stream (attention) and ring (MLP).
+"""Moving weight shards past the tokens: the broadcast stream (attention) and the ring (MLP).
 
 A *shard* is the list of one rank's weight tensors of a layer (all of one dtype). On the wire
 it travels as one flat buffer (:func:`pack`); the receiver computes on views into it
-(:func:`unpack`). Each stream holds at most two shards of a layer, the one in use and the
-one in flight (docs/design.md section 9); a caller that keeps a shard for one more step holds
-three (TSP attention keeps group r's output projection while group r+1 projects).
+(:func:`unpack`). Gradients travel the same way, in fp32: a shard's partial weight gradients
+are written by their GEMMs straight into views of the flat buffer that carries them
+(:mod:`megatron_tsp.core.gemm`), and the owner adds the sum into megatron's fp32 ``main_grad``
+(:func:`deliver_grads`), with no rounding in between.
 
-Every overlap in TSP is one pattern, :class:`ahead`: the transfer a step needs next is
-started before this step computes (so it runs during the compute) or, with
-``overlap=False``, after it, so that results are bit-identical either way.
+The schedules call the verbs below at the lines where the transfers start and end, as
+ring-flash-attention's ``RingComm`` does:
 
-Partial weight gradients are formed and summed over ranks in fp32 (:func:`grad_product`),
-as a tensor-parallel layer forms each shard's gradient in one fp32-accumulating GEMM; the
-owner rounds the sum once, to the parameter's dtype.
+* :class:`WeightBroadcast` (attention; shard r from its owner r, all ranks together):
+  ``start(r)``, ``wait(r)``, ``release(r)``; gradients: ``grad_buffer()``,
+  ``reduce(r, flat)``, ``own_grad()``;
+* :class:`WeightRing` (MLP; at step t rank p holds shard ``(p - t) mod D``): ``start(t)``
+  (send the current shard to p+1, receive the next from p-1; in backward also the gradient
+  accumulator), ``advance()``; gradients: ``grad_buffer(t)``, ``finish_grad(t, flat)``,
+  ``own_grad()``.
+
+The first transfer of a layer's stream may already be in flight when the layer starts: the
+layer before it started it during its last stage (:mod:`megatron_tsp.core.prefetch`). Each
+stream holds at most ``lookahead + 1`` shards of a layer (the one in use and those in flight;
+docs/design.md section 5).
 """
 
 from __future__ import annotations
 
-from functools import partial
-from typing import Callable, Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import is_fake
 
 from megatron_tsp.core import comm
 
 Shard = List[torch.Tensor]
-
-
-class ahead:
-    """``with ahead(start, overlap) as upcoming: <compute>``, then ``upcoming.value``: with
-    ``overlap`` ``start()`` runs before the block, so that what it starts (a transfer) is in
-    flight while the block computes; without, it runs after the block. Either way the same
-    operations happen, in the same order of every sum."""
-
-    def __init__(self, start: Callable[[], object], overlap: bool):
-        self.start, self.overlap, self.value = start, overlap, None
-
-    def __enter__(self) -> "ahead":
-        if self.overlap:
-            self.value = self.start()
-        return self
-
-    def __exit__(self, exc_type, *exc) -> bool:
-        if exc_type is None and not self.overlap:
-            self.value = self.start()
-        return False
-
-
-class OneBehind:
-    """Finishing one step late: with ``overlap``, :meth:`swap` holds each item until the next
-    one arrives and hands back the previous (whose transfer ran meanwhile); without, it
-    hands the item back at once. :meth:`flush` returns the one still held."""
-
-    def __init__(self, overlap: bool):
-        self.overlap, self.held = overlap, None
-
-    def swap(self, item):
-        if not self.overlap:
-            return item
-        previous, self.held = self.held, item
-        return previous
-
-    def flush(self):
-        item, self.held = self.held, None
-        return item
-
-
-def grad_product(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``dy^T x`` of 2-D tensors, accumulated and returned in fp32: one rank's partial weight
-    gradient, to be summed over ranks before it is rounded. On a GPU the GEMM runs in the
-    inputs' precision with an fp32 output (``torch.mm(..., out_dtype=...)``, torch >= 2.8);
-    a CPU has no such kernel and casts both inputs. The memory planner's fake tensors stand
-    for a GPU's, so they take the GPU's path: the bytes it counts are the GPU's."""
-    if dy.dtype == torch.float32:
-        return dy.t() @ x
-    if _FP32_OUTPUT_MM and (dy.is_cuda or is_fake(dy)):
-        return torch.mm(dy.t(), x, out_dtype=torch.float32)
-    return dy.t().float() @ x.float()
-
-
-_FP32_OUTPUT_MM = hasattr(torch.ops.aten.mm, "dtype")
 
 
 def linear_pair_shard(first: torch.nn.Module, second: torch.nn.Module) -> Shard:
@@ -90,8 +42,12 @@ def linear_pair_shard(first: torch.nn.Module, second: torch.nn.Module) -> Shard:
     return [first.weight] + ([first.bias] if first.bias is not None else []) + [second.weight]
 
 
-def pack(tensors: Sequence[torch.Tensor], dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    return torch.cat([t.reshape(-1).to(dtype or t.dtype) for t in tensors])
+def numel(tensors: Sequence[torch.Tensor]) -> int:
+    return sum(t.numel() for t in tensors)
+
+
+def pack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.reshape(-1) for t in tensors])
 
 
 def unpack(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> Shard:
@@ -102,143 +58,215 @@ def unpack(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> Shard:
     return out
 
 
-def _owner_grads(flat: torch.Tensor, own: Sequence[torch.Tensor]) -> Shard:
-    """The summed fp32 gradient of this rank's shard, rounded to its parameters' dtype."""
-    return [g.to(p.dtype) for g, p in zip(unpack(flat, own), own)]
+def deliver_grads(own: Sequence[torch.Tensor], flat: torch.Tensor) -> List[torch.Tensor]:
+    """The summed fp32 gradient ``flat`` of this rank's shard, as autograd's result for its
+    parameters. Under megatron's DDP (a parameter with ``main_grad``) it is added to the fp32
+    ``main_grad`` here and autograd gets an unread placeholder with
+    ``grad_added_to_main_grad`` set, as megatron's gradient-accumulation fusion does;
+    otherwise the gradient in the parameter's dtype."""
+    grads = []
+    for p, g in zip(own, unpack(flat, own)):
+        if getattr(p, "main_grad", None) is not None:
+            p.main_grad.add_(g)
+            p.grad_added_to_main_grad = True
+            grads.append(torch.empty_like(p))
+        else:
+            grads.append(g.to(p.dtype))
+    return grads
 
 
-class ShardStream:
-    """Yield ``(r, shard_r)`` for r = 0..D-1, shard r broadcast from its owner r (with
-    ``overlap``, shard r+1's broadcast is in flight while the caller computes with shard r).
+class WeightBroadcast:
+    """Head-group shards by broadcast: shard r is rank r's, and every rank computes with it.
 
-    ``reduce_grad(r, grads)`` sends the caller's fp32 partial gradient of shard r to its
-    owner (``reduce(dst=r)``, asynchronous, at most two in flight); ``own_grads()`` returns
-    the summed gradient of this rank's shard. Transfers are registered with ``inflight``.
-    """
+    ``start(r)`` posts the broadcast of shard r into a fresh flat buffer (the owner sends its
+    packed own tensors), ``wait(r)`` returns the shard (views of the buffer; the owner's own
+    tensors) once it has arrived, ``release(r)`` lets its buffer go. Gradients: the caller
+    writes its fp32 partial gradient of shard r into ``grad_buffer()`` and ``reduce(r, flat)``
+    posts ``reduce(dst=r)``; at most two reduces are in flight, and ``own_grad()`` returns the
+    summed gradient of this rank's shard. ``first`` is a broadcast of shard 0 already posted
+    (by the layer before: :mod:`prefetch`)."""
 
     def __init__(self, own: Sequence[torch.Tensor], group: dist.ProcessGroup, inflight: comm.InFlight,
-                 overlap: bool = True):
+                 first: Optional[Tuple[torch.Tensor, comm.Handle]] = None):
         self.own = list(own)
         self.group = group
+        self.size, self.rank = group.size(), group.rank()
         self.inflight = inflight
-        self.overlap = overlap
-        self._grad_pending: List[Tuple[int, torch.Tensor, dist.Work]] = []
+        self._arriving: Dict[int, Tuple[torch.Tensor, comm.Handle]] = {}
+        if first is not None:
+            self._arriving[0] = first
+            inflight.add(first[1])
+        self._reducing: List[Tuple[int, torch.Tensor, comm.Handle]] = []
         self._own_grad: Optional[torch.Tensor] = None
 
-    def _start(self, r: int) -> Optional[Tuple[torch.Tensor, dist.Work]]:
-        if r >= self.group.size():
-            return None
-        if r == self.group.rank():
-            buf = pack(self.own)
+    @staticmethod
+    def post(own: Sequence[torch.Tensor], group: dist.ProcessGroup, r: int, inflight: Optional[comm.InFlight] = None
+             ) -> Tuple[torch.Tensor, comm.Handle]:
+        """Post the broadcast of shard r over ``group`` (``own``: this rank's shard)."""
+        if r == group.rank():
+            buf = pack(own)
         else:
-            numel = sum(t.numel() for t in self.own)
-            buf = torch.empty(numel, dtype=self.own[0].dtype, device=self.own[0].device)
-        return buf, comm.broadcast(buf, r, self.group, self.inflight)
+            buf = torch.empty(numel(own), dtype=own[0].dtype, device=own[0].device)
+        work = dist.broadcast(buf, src=dist.get_global_rank(group, r), group=group, async_op=True)
+        if inflight is not None:
+            inflight.add(work)
+        return buf, work
 
-    def __iter__(self) -> Iterator[Tuple[int, Shard]]:
-        d_size, rank = self.group.size(), self.group.rank()
-        if d_size == 1:
-            yield 0, self.own
-            return
-        arriving = self._start(0)
-        for r in range(d_size):
-            buf, handle = arriving
-            self.inflight.wait(handle)
-            with ahead(partial(self._start, r + 1), self.overlap) as upcoming:
-                yield r, (self.own if r == rank else unpack(buf, self.own))
-            del buf, handle
-            arriving = upcoming.value
+    def start(self, r: int) -> None:
+        if self.size > 1 and r < self.size and r not in self._arriving:
+            self._arriving[r] = self.post(self.own, self.group, r, self.inflight)
 
-    def reduce_grad(self, r: int, grads: Sequence[torch.Tensor]) -> None:
-        flat = pack(grads, torch.float32)
-        if self.group.size() == 1:
+    def wait(self, r: int) -> Shard:
+        if self.size == 1 or r == self.rank:
+            if r in self._arriving:  # the owner's broadcast only has to leave
+                self.inflight.wait(self._arriving[r][1])
+            return self.own
+        buf, work = self._arriving[r]
+        self.inflight.wait(work)
+        return unpack(buf, self.own)
+
+    def release(self, r: int) -> None:
+        self._arriving.pop(r, None)
+
+    def grad_buffer(self) -> torch.Tensor:
+        return torch.empty(numel(self.own), dtype=torch.float32, device=self.own[0].device)
+
+    def reduce(self, r: int, flat: torch.Tensor) -> None:
+        if self.size == 1:
             self._own_grad = flat
             return
-        self._grad_pending.append((r, flat, comm.reduce(flat, r, self.group, self.inflight)))
-        self._drain(keep=1 if self.overlap else 0)
+        work = dist.reduce(flat, dst=dist.get_global_rank(self.group, r), group=self.group, async_op=True)
+        self._reducing.append((r, flat, self.inflight.add(work)))
+        self._drain(keep=1)
 
     def _drain(self, keep: int) -> None:
-        while len(self._grad_pending) > keep:
-            r, flat, handle = self._grad_pending.pop(0)
-            self.inflight.wait(handle)
-            if r == self.group.rank():
+        while len(self._reducing) > keep:
+            r, flat, work = self._reducing.pop(0)
+            self.inflight.wait(work)
+            if r == self.rank:
                 self._own_grad = flat
 
-    def own_grads(self) -> Shard:
+    def own_grad(self) -> torch.Tensor:
         self._drain(keep=0)
-        return _owner_grads(self._own_grad, self.own)
+        return self._own_grad
 
 
-class ShardRing:
-    """Yield ``(j, shard_j)`` for t = 0..D-1 where rank p holds shard ``j = (p - t) mod D``.
+class WeightRing:
+    """The MLP's shards around the ring: at step t rank p holds shard ``j = (p - t) mod D``.
 
-    Each step sends the current shard to p+1 and receives the next from p-1 (point to point,
-    every link busy with a different shard, no collective barrier); with ``overlap`` the
-    transfer runs while the caller computes.
+    ``start(t)`` posts, together, the send of the current shard to p+1 and the receive of
+    the next from p-1 (not on the last step: every link carries a different shard, no
+    collective barrier), and in backward the gradient accumulators (below); ``shard()`` is
+    the current shard, ``advance()`` makes the next one current once it has arrived.
+    ``first`` is step 0's transfer already posted (by the layer before: :mod:`prefetch`).
 
-    Backward: ``add_grad(contribution)`` after computing with shard j adds this rank's partial
-    gradient of j (fp32) to an accumulator that travels the ring one step behind the weights.
-    The owner keeps its own contribution from step 0; the accumulator starts at the next
-    holder, adds every other rank's contribution and reaches the owner after D-1 hops (the
-    last one after the loop). ``own_grads()`` returns the summed gradient of this rank's shard.
-    """
+    Backward: the accumulator of shard j travels one step behind the weights. Its owner keeps
+    its own contribution (step 0, ``grad_buffer(0)``); the next holder starts it (step 1, a
+    fresh buffer), every later holder receives it during its step and adds its contribution
+    into it (``grad_buffer(t)`` waits for it), and it reaches the owner after D-1 hops, the
+    last one after the loop (``own_grad()``)."""
 
     def __init__(self, own: Sequence[torch.Tensor], group: dist.ProcessGroup, inflight: comm.InFlight,
-                 overlap: bool = True):
+                 backward: bool = False, first: Optional[Tuple[torch.Tensor, comm.Handle]] = None):
         self.own = list(own)
         self.group = group
+        self.size, self.rank = group.size(), group.rank()
         self.inflight = inflight
-        self.overlap = overlap
-        self._contribution: Optional[torch.Tensor] = None
+        self.backward = backward
+        self.current = None if self.size == 1 else pack(own)
+        self._incoming: Optional[Tuple[torch.Tensor, comm.Handle]] = None
+        self._acc_in: Optional[Tuple[torch.Tensor, comm.Handle]] = None
+        self._acc_out: Optional[torch.Tensor] = None  # finished accumulator, sent at the next start
         self._own_grad: Optional[torch.Tensor] = None
-        self._acc_out: Optional[torch.Tensor] = None
+        if first is not None:
+            self.current, incoming, work = first
+            self._incoming = (incoming, inflight.add(work))
 
-    def _start(self, weights: Optional[torch.Tensor]):
-        """Send ``weights`` (the shard just used; None on the last step) and the travelling
-        accumulator to the next rank, receive their successors from the previous one."""
-        d_size, rank = self.group.size(), self.group.rank()
-        nxt, prv = (rank + 1) % d_size, (rank - 1) % d_size
-        sends, recvs, incoming, acc_in = [], [], None, None
-        if weights is not None:
-            incoming = torch.empty_like(weights)
-            sends.append((weights, nxt))
-            recvs.append((incoming, prv))
-        if self._acc_out is not None:
-            acc_in = torch.empty_like(self._acc_out)
-            sends.append((self._acc_out, nxt))
-            recvs.append((acc_in, prv))
-        return incoming, acc_in, comm.send_recv(sends, recvs, self.group, self.inflight)
+    @staticmethod
+    def post(own: Sequence[torch.Tensor], group: dist.ProcessGroup, current: Optional[torch.Tensor] = None,
+             inflight: Optional[comm.InFlight] = None):
+        """Post step 0's weight transfer over ``group``: (the packed own shard, the receive
+        buffer, the work)."""
+        current = pack(own) if current is None else current
+        incoming = torch.empty_like(current)
+        works = _exchange(group, [(current, 1)], [(incoming, -1)])
+        if inflight is not None:
+            inflight.add(works)
+        return current, incoming, works
 
-    def __iter__(self) -> Iterator[Tuple[int, Shard]]:
-        d_size, rank = self.group.size(), self.group.rank()
-        current = pack(self.own) if d_size > 1 else None
-        for t in range(d_size):
-            onward = current if t < d_size - 1 else None
-            with ahead(partial(self._start, onward), self.overlap) as transfer:
-                yield (rank - t) % d_size, (self.own if current is None else unpack(current, self.own))
-            incoming, acc_in, handles = transfer.value
-            self.inflight.wait(handles)
-            self._accumulate(t, acc_in)
-            current = incoming
-        if self._acc_out is not None:  # the last hop: the accumulators reach their owners
-            _, acc_in, handles = self._start(None)
-            self.inflight.wait(handles)
-            self._own_grad += acc_in
-            self._acc_out = None
+    def shard_index(self, t: int) -> int:
+        return (self.rank - t) % self.size
 
-    def add_grad(self, grads: Sequence[torch.Tensor]) -> None:
-        self._contribution = pack(grads, torch.float32)
+    def shard(self) -> Shard:
+        return self.own if self.current is None else unpack(self.current, self.own)
 
-    def _accumulate(self, t: int, acc_in: Optional[torch.Tensor]) -> None:
-        contribution, self._contribution = self._contribution, None
-        if contribution is None:  # forward: no gradients travel
+    def start(self, t: int) -> None:
+        if self.size == 1:
             return
-        if t == 0:
-            self._own_grad = contribution
-        elif acc_in is None:
-            self._acc_out = contribution
+        sends, recvs = [], []
+        if t < self.size - 1 and self._incoming is None:
+            incoming = torch.empty_like(self.current)
+            sends.append((self.current, 1))
+            recvs.append((incoming, -1))
         else:
-            self._acc_out = acc_in.add_(contribution)
+            incoming = None
+        acc_in = None
+        if self.backward and t >= 1:
+            if self._acc_out is not None:
+                sends.append((self._acc_out, 1))
+            if t >= 2 or t == self.size:  # t == size: the last hop, to the owners
+                acc_in = torch.empty(numel(self.own), dtype=torch.float32, device=self.current.device)
+                recvs.append((acc_in, -1))
+        works = self.inflight.add(_exchange(self.group, sends, recvs))
+        if incoming is not None:
+            self._incoming = (incoming, works)
+        if acc_in is not None:
+            self._acc_in = (acc_in, works)
+        self._acc_out = None
 
-    def own_grads(self) -> Shard:
-        return _owner_grads(self._own_grad, self.own)
+    def advance(self) -> None:
+        """The next shard, once its transfer has arrived, becomes the current one."""
+        if self._incoming is not None:
+            incoming, works = self._incoming
+            self.inflight.wait(works)
+            self.current, self._incoming = incoming, None
+
+    def wait_all(self) -> None:
+        """Wait for everything posted (without overlap: the transfer, then the compute)."""
+        for pending in (self._incoming, self._acc_in):
+            if pending is not None:
+                self.inflight.wait(pending[1])
+
+    def grad_buffer(self, t: int) -> Tuple[torch.Tensor, bool]:
+        """(flat fp32 buffer of step t's shard gradient, whether to add into it rather than
+        write it). Steps 0 and 1 start a buffer; later steps add into the accumulator that
+        arrives from p-1 (waited for here). Call :meth:`finish_grad` when written."""
+        if self.size == 1 or t <= 1:
+            return torch.empty(numel(self.own), dtype=torch.float32, device=self.own[0].device), False
+        acc_in, works = self._acc_in
+        self.inflight.wait(works)
+        self._acc_in = None
+        return acc_in, True
+
+    def finish_grad(self, t: int, flat: torch.Tensor) -> None:
+        if t == 0 or self.size == 1:
+            self._own_grad = flat
+        else:
+            self._acc_out = flat
+
+    def own_grad(self) -> torch.Tensor:
+        """The summed gradient of this rank's shard: the last hop, then the owner's own part."""
+        if self.size > 1:
+            self.start(self.size)
+            acc_in, works = self._acc_in
+            self.inflight.wait(works)
+            self._own_grad.add_(acc_in)
+        return self._own_grad
+
+
+def _exchange(group: dist.ProcessGroup, sends, recvs) -> List[dist.Work]:
+    """Post point-to-point sends and receives with ring neighbours (offsets +1/-1 in the
+    group); the caller registers the works."""
+    size, rank = group.size(), group.rank()
+    return comm.send_recv([(t, (rank + k) % size) for t, k in sends], [(t, (rank + k) % size) for t, k in recvs],
+                          group, comm.InFlight())

@@ -234,6 +234,7 @@ def _run(args, mode: Mode, world_size: int, tracker: StorageTracker, attention_b
         "flops_per_rank": flops["total"],
         "attention_flops_per_rank": flops["attention"],
         "memory_bytes_per_rank": flops["memory_bytes"],
+        "memory_bytes_by_op": flops["memory_bytes_by_op"],
         "comm_bytes_received": counts.totals(records),
         "comm": counts.as_dict(records),
     }
@@ -281,12 +282,15 @@ def _step(args, mode: Mode, tracker, attention_backend, device: Device, fake: bo
             tracker.tag([t], "communication", only_from=("temporaries",))
 
         flops_before, attention_before, bytes_before = tracker.flops, tracker.attention_flops, tracker.memory_bytes
+        by_op_before = dict(tracker.memory_bytes_by_op)
         with saved, counts.count_collectives(on_output=receive) as records:
             result = step.train_step(model, optimizer, [batch], 1, args.seq_length, args.micro_batch_size,
                                      batch_transform=mode.batch_transform(args))
             step.global_losses([result["loss"]])
+    by_op = {op: moved - by_op_before.get(op, 0) for op, moved in tracker.memory_bytes_by_op.items()}
     flops = {"total": tracker.flops - flops_before, "attention": tracker.attention_flops - attention_before,
-             "memory_bytes": tracker.memory_bytes - bytes_before}
+             "memory_bytes": tracker.memory_bytes - bytes_before,
+             "memory_bytes_by_op": {op: moved for op, moved in by_op.items() if moved}}
     return static, flops, records
 
 

@@ -7,6 +7,15 @@ recomputation), ``communication`` (receive buffers of collectives while they liv
 ``temporaries`` (everything else). The tracker also applies torch's FLOP formulas (those of
 ``FlopCounterMode``) to every op, and counts the bytes that the ops without one (elementwise,
 norms, softmax pieces, copies, the optimizer) read and write: their time is memory time.
+
+Memory-bound bytes, op by op (``memory_bytes_by_op``):
+
+* an op reads its tensor arguments and writes its outputs; an op that only writes
+  (``zero_``, ``fill_``, ``zeros``, ``zeros_like``, ...) reads nothing, ``copy_`` reads its
+  source only, and ``index_copy_`` reads its source and index and writes as many rows;
+* the attention op (``block_attention``) is followed inside: its kernels are its FLOPs (the
+  op's own formula, counted once), and what runs around them (allocations, lse merges,
+  casts, per-block gradient sums) is counted like any op, under ``block_attention/<op>``.
 """
 
 from __future__ import annotations
@@ -18,17 +27,35 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-from megatron_tsp.core import block_attention  # noqa: F401  (registers the block_attention ops)
+from megatron_tsp.core import block_attention  # (also registers the block_attention ops)
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "communication", "temporaries")
 GIB = 2**30
 
 
-_ATTENTION_OPS = {torch.ops.megatron_tsp.block_attention, torch.ops.megatron_tsp.block_attention_backward}
+# the attention ops, and the Python implementation of each, run under the tracker to see inside it
+_ATTENTION_IMPL = block_attention.IMPLEMENTATIONS
+_ATTENTION_OPS = set(_ATTENTION_IMPL)
 _NOT_MEMORY_BOUND = ("c10d", "_c10d_functional", "prim")  # collectives (counts.py), metadata queries
+# attention kernels (inside the attention op: its FLOPs, not memory traffic)
+_KERNEL_PREFIXES = ("_scaled_dot_product_", "_flash_attention", "_efficient_attention", "_cudnn_attention")
 # ops that read and write no element: allocations, and views that are not flagged as views
 _NO_DATA = {"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided", "_unsafe_view", "detach",
             "lift_fresh", "resize_", "set_"}
+# ops that write their output and read no tensor argument's elements
+_WRITE_ONLY = {"zero_", "fill_", "zeros", "zeros_like", "new_zeros", "ones", "ones_like", "new_ones", "full",
+               "full_like", "new_full", "scalar_tensor", "arange"}
+
+
+def _memory_bytes(name: str, args, kwargs, out) -> int:
+    """Bytes an op without a FLOP formula reads and writes (module docstring)."""
+    if name in _WRITE_ONLY:
+        return _nbytes(out)
+    if name == "copy_":
+        return 2 * _nbytes(args[1])
+    if name == "index_copy_":
+        return 2 * _nbytes(args[3]) + _nbytes(args[2])
+    return _nbytes(args, kwargs) + _nbytes(out)
 
 
 def _nbytes(*trees) -> int:
@@ -49,6 +76,8 @@ class StorageTracker(TorchDispatchMode):
         self.flops = 0
         self.attention_flops = 0
         self.memory_bytes = 0
+        self.memory_bytes_by_op: Dict[str, int] = {}
+        self._inside = None  # the attention op being followed inside
         self.category: Dict[int, str] = {}  # storage id -> category
         self.size: Dict[int, int] = {}
         self._refs: Dict[int, weakref.ref] = {}
@@ -111,20 +140,36 @@ class StorageTracker(TorchDispatchMode):
     _current_op = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
         if self.fake_scalars and func is torch.ops.aten._local_scalar_dense.default:
             return False if args[0].dtype == torch.bool else 1
-        self._current_op = f"{func.__name__}{' (backward)' if torch._C._current_graph_task_id() != -1 else ''}"
-        out = func(*args, **(kwargs or {}))
+        name = func._overloadpacket.__name__
+        self._current_op = f"{name}{' (backward)' if torch._C._current_graph_task_id() != -1 else ''}"
         formula = flop_registry.get(func._overloadpacket)
-        if formula is not None:
-            # torch's FLOP formulas, applied here rather than under FlopCounterMode, whose
-            # module hooks keep activations alive and would distort the memory measured
-            flops = formula(*args, **(kwargs or {}), out_val=out)
+        if func._overloadpacket in _ATTENTION_OPS and self._inside is None:
+            self._inside = name
+            try:
+                with self:  # the op's own operations, under this mode too
+                    out = _ATTENTION_IMPL[func._overloadpacket](*args, **kwargs)
+            finally:
+                self._inside = None
+            flops = formula(*args, **kwargs, out_val=out)
             self.flops += flops
-            if func._overloadpacket in _ATTENTION_OPS:
-                self.attention_flops += flops
-        elif not (func.is_view or func.namespace in _NOT_MEMORY_BOUND or func._overloadpacket.__name__ in _NO_DATA):
-            self.memory_bytes += _nbytes(args, kwargs) + _nbytes(out)
+            self.attention_flops += flops
+        else:
+            out = func(*args, **kwargs)
+            if formula is not None:
+                # torch's FLOP formulas, applied here rather than under FlopCounterMode, whose
+                # module hooks keep activations alive and would distort the memory measured;
+                # inside the attention op its kernels are the op's FLOPs, counted once
+                if self._inside is None:
+                    self.flops += formula(*args, **kwargs, out_val=out)
+            elif not (func.is_view or func.namespace in _NOT_MEMORY_BOUND or name in _NO_DATA
+                      or (self._inside and name.startswith(_KERNEL_PREFIXES))):
+                moved = _memory_bytes(name, args, kwargs, out)
+                self.memory_bytes += moved
+                key = f"{self._inside}/{name}" if self._inside else name
+                self.memory_bytes_by_op[key] = self.memory_bytes_by_op.get(key, 0) + moved
         for t in out if isinstance(out, (list, tuple)) else [out]:
             if isinstance(t, torch.Tensor):
                 self._add(t, self.default)
