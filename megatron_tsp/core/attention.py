@@ -135,19 +135,22 @@ class TSPSelfAttention(SelfAttention):
             return (freqs,)
         return torch.cos(freqs).to(dtype), torch.sin(freqs).to(dtype)
 
-    def _rope(self, t: torch.Tensor, rope: Rope) -> torch.Tensor:
+    def _rope(self, t: torch.Tensor, rope: Rope, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """RoPE of ``t`` (into ``out`` when given: the K/V send buffer)."""
         if len(rope) == 1:
-            return apply_rotary_pos_emb(t, rope[0], config=self.config, cp_group=self.pg_collection.cp)
+            rotated = apply_rotary_pos_emb(t, rope[0], config=self.config, cp_group=self.pg_collection.cp)
+            return rotated if out is None else out.copy_(rotated)
         cos, sin = rope
         rot_dim = cos.size(-1)
         if rot_dim == t.size(-1):  # megatron's _apply_rotary_pos_emb_bshd, term for term
-            return (t * cos) + (_rotate_half(t) * sin)
+            return torch.add(t * cos, _rotate_half(t) * sin, out=out)
         head, rest = t[..., :rot_dim], t[..., rot_dim:]
-        return torch.cat(((head * cos) + (_rotate_half(head) * sin), rest), dim=-1)
+        return torch.cat(((head * cos) + (_rotate_half(head) * sin), rest), dim=-1, out=out)
 
-    def split_heads(self, mixed: torch.Tensor, rope: Rope):
+    def split_heads(self, mixed: torch.Tensor, rope: Rope, local: Optional[torch.Tensor] = None):
         """A head group's QKV projection -> q [s, b, a/D, d], k and v [s, b, g/D, d]
-        (megatron's interleaved layout, q/k norms, RoPE at the tokens' global positions)."""
+        (megatron's interleaved layout, q/k norms, RoPE at the tokens' global positions).
+        With ``local`` (a K/V send buffer, outside autograd) k and v are written into it."""
         groups = self.num_query_groups_per_partition
         heads_per_group = self.num_attention_heads_per_partition // groups
         d = self.hidden_size_per_attention_head
@@ -159,7 +162,12 @@ class TSPSelfAttention(SelfAttention):
         if self.k_layernorm is not None:
             key = self.k_layernorm(key)
         if rope is not None:
-            query, key = self._rope(query, rope), self._rope(key, rope)
+            query = self._rope(query, rope)
+            key = self._rope(key, rope, None if local is None else local[:, 0])
+        elif local is not None:
+            local[:, 0].copy_(key)
+        if local is not None:
+            local[:, 1].copy_(value)
         return query, key, value
 
     # ---- forward -----------------------------------------------------------------------
@@ -211,7 +219,8 @@ class TSPSelfAttention(SelfAttention):
             kv_group=self.tsp_group, weight_group=self.weight_group, split_heads=self.split_heads,
             rope=self.rope_tables(freqs, hidden_states.dtype), blocks=blocks, softmax_scale=self.softmax_scale,
             backend=backend, hidden_size=self.config.hidden_size, head_dim=self.hidden_size_per_attention_head,
-            has_bias=self.linear_qkv.bias is not None, overlap=self.overlap_comm, lookahead=self.lookahead,
+            kv_heads=self.num_query_groups_per_partition, has_bias=self.linear_qkv.bias is not None,
+            overlap=self.overlap_comm, lookahead=self.lookahead,
             chain=self.chain, module=self)
         output = StreamAttentionHeads.apply(args, hidden_states, *self.shard_tensors(), *self.replicated_parameters())
         return output, self.linear_proj.bias
@@ -241,6 +250,7 @@ class AttentionScheduleArgs:
     backend: str
     hidden_size: int
     head_dim: int
+    kv_heads: int
     has_bias: bool
     overlap: bool
     lookahead: int
@@ -291,10 +301,8 @@ class StreamAttentionHeads(torch.autograd.Function):
                 shard = stream.wait(r)
                 mixed = F.linear(x, *shard[:-1])
                 projections[r] = mixed
-                query, key, value = args.split_heads(mixed, args.rope)
-                local = send_buffer(key.size(0), key)
-                local[:, 0].copy_(key)
-                local[:, 1].copy_(value)
+                local = send_buffer(mixed.shape[:2] + (args.kv_heads, args.head_dim), mixed)
+                query, _, _ = args.split_heads(mixed, args.rope, local)
                 if d_size > 1:
                     proj[:, args.columns(r)].copy_(shard[-1])
                 stream.release(r)
@@ -422,13 +430,14 @@ class HeadGroupGradients:
         self.x2d = saved.x.reshape(-1, saved.x.size(-1))
         self.out2d = saved.out.view(-1, saved.out.size(-1))
         self.dx: Optional[torch.Tensor] = None
+        self._dkv: List[Optional[torch.Tensor]] = [None, None]
         self.d_replicated = [torch.zeros_like(p, dtype=torch.float32) for p in saved.replicated]
 
     def inputs(self, r: int, inflight: comm.InFlight) -> HeadGroupInputs:
         mixed = self.saved.projections[r].detach().requires_grad_()
         with torch.enable_grad():
             q, k, v = self.args.split_heads(mixed, self.args.rope)
-        local = send_buffer(k.size(0), k)
+        local = send_buffer(k.shape, k)
         local[:, 0].copy_(k.detach())
         local[:, 1].copy_(v.detach())
         kv = GatherKV(local, self.args.kv_group, inflight) if self.args.kv_group.size() > 1 else local
@@ -446,11 +455,23 @@ class HeadGroupGradients:
             keys, values = inputs.kv.wait()
         else:
             keys, values = inputs.kv[:, 0], inputs.kv[:, 1]
-        dkv = grad_buffer(keys.size(0), keys)
+        dkv, fresh = self._dkv_buffer(r, keys)
         dq = attend_backward_into(d_out, inputs.query.detach(), keys, values, out, self.saved.lses[r],
-                                  args.blocks, args.softmax_scale, args.backend, dkv[:, 0], dkv[:, 1])
+                                  args.blocks, args.softmax_scale, args.backend, dkv[:, 0], dkv[:, 1],
+                                  zero_untouched=fresh)
         scatter = ScatterKVGrads(dkv, args.kv_group, inflight) if args.kv_group.size() > 1 else dkv
         return HeadGroupAttentionGrads(r, shard, inputs, dq, scatter, flat)
+
+    def _dkv_buffer(self, r: int, keys: torch.Tensor) -> Tuple[torch.Tensor, bool]:
+        """Head group r's fp32 dK/dV buffer and whether it is fresh. Two buffers alternate
+        (group r's is free again once its reduce-scatter has finished, before group r+2's
+        attention backward): the key rows no block of this rank touches are zeroed once per
+        buffer, not once per head group."""
+        slot = r % 2
+        if self._dkv[slot] is None:
+            self._dkv[slot] = grad_buffer(keys.size(0), keys)
+            return self._dkv[slot], True
+        return self._dkv[slot], False
 
     def weights(self, g: HeadGroupAttentionGrads, stream: WeightBroadcast) -> None:
         dk, dv = g.dkv.wait() if self.args.kv_group.size() > 1 else (g.dkv[:, 0], g.dkv[:, 1])

@@ -459,11 +459,12 @@ def _forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks_flat
 
 def _backward_into(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                    lse: torch.Tensor, blocks_flat: List[int], scale: float, backend: str, dk: torch.Tensor,
-                   dv: torch.Tensor) -> torch.Tensor:
+                   dv: torch.Tensor, zero_untouched: bool) -> torch.Tensor:
     """Each block's kernel backward with the merged ``out`` and ``lse``. dK, dV go into the
     caller's fp32 ``dk``, ``dv`` (any strides): copied where a block first touches keys,
-    added where blocks overlap, zero where none does; dq is returned in q's dtype, the sum
-    of a query chunk's blocks formed by one elementwise add (fp32 inside, rounded once)."""
+    added where blocks overlap, and (``zero_untouched``; else the caller knows them zero
+    already) zero where none does; dq is returned in q's dtype, the sum of a query chunk's
+    blocks formed by one elementwise add (fp32 inside, rounded once)."""
     _, kernel = _kernel(backend, q)
     dq = torch.empty_like(q)
     touched: List[Tuple[int, int]] = []  # key row ranges written so far
@@ -480,7 +481,7 @@ def _backward_into(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
                     else:
                         buf[:, :, a:b].copy_(grad[:, :, a - k0:b - k0])
         dq[:, :, q0:q1].copy_(acc)
-    for a, b in _gaps(touched, dk.size(2)):
+    for a, b in _gaps(touched, dk.size(2)) if zero_untouched else ():
         dk[:, :, a:b].zero_()
         dv[:, :, a:b].zero_()
     return dq
@@ -534,7 +535,7 @@ def _backward(ctx, dout, _dlse):
     q, k, v, out, lse = ctx.saved_tensors
     dk = torch.empty_like(k, dtype=torch.float32)
     dv = torch.empty_like(v, dtype=torch.float32)
-    dq = _block_attention_backward(dout, q, k, v, out, lse, *ctx.args, dk, dv)
+    dq = _block_attention_backward(dout, q, k, v, out, lse, *ctx.args, dk, dv, True)
     return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
@@ -604,10 +605,12 @@ def attend_into(query, keys, values, blocks_: Sequence[Block], scale: float, bac
 
 
 def attend_backward_into(d_out, query, keys, values, out, lse, blocks_: Sequence[Block], scale: float,
-                         backend: str, d_keys, d_values) -> torch.Tensor:
+                         backend: str, d_keys, d_values, zero_untouched: bool = True) -> torch.Tensor:
     """dq ``[sq, b, hq, d]`` in the query's dtype; dK, dV written into the caller's fp32
     ``d_keys``, ``d_values`` ``[sk, b, hk, d]`` (views of the reduce-scatter buffer) from the
-    saved forward: each block's kernel backward with the merged lse; no attention forward."""
+    saved forward: each block's kernel backward with the merged lse; no attention forward.
+    ``zero_untouched=False``: the key rows no block touches are zero in the buffers already."""
     do, q, k, v, o, dk, dv = _bhsd(d_out, query, keys, values, out, d_keys, d_values)
-    dq = _block_attention_backward(do, q, k, v, o, lse, _flat(blocks_), float(scale), backend, dk, dv)
+    dq = _block_attention_backward(do, q, k, v, o, lse, _flat(blocks_), float(scale), backend, dk, dv,
+                                   zero_untouched)
     return dq.permute(2, 0, 1, 3)

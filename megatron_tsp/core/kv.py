@@ -25,10 +25,11 @@ from megatron_tsp.core import comm
 from megatron_tsp.core.zigzag import Indices
 
 
-def send_buffer(rows: int, like: torch.Tensor) -> torch.Tensor:
+def send_buffer(key_shape, like: torch.Tensor) -> torch.Tensor:
     """This rank's ``[s, 2, b, g, d]`` K/V to gather (k at ``[:, 0]``, v at ``[:, 1]``), for a
-    caller to write its keys and values into (``like``: a ``[s, b, g, d]`` key)."""
-    return like.new_empty((rows, 2) + tuple(like.shape[1:]))
+    caller to write its keys and values into (``key_shape``: ``[s, b, g, d]``; ``like``: a
+    tensor of the dtype and device)."""
+    return like.new_empty((key_shape[0], 2) + tuple(key_shape[1:]))
 
 
 class GatherKV:

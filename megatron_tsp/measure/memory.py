@@ -119,9 +119,9 @@ def _valueless() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def fake_world(world_size: int) -> Iterator[None]:
-    """Rank 0 of ``world_size`` on torch's ``fake`` backend (collectives are no-ops). Every
-    other rank mirrors rank 0, so object collectives return rank 0's object for all.
+def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
+    """Rank ``rank`` of ``world_size`` on torch's ``fake`` backend (collectives are no-ops).
+    Every other rank mirrors this one, so object collectives return its object for all.
     FakeTensorMode has no kernel for coalesced collectives, so megatron's gradient buffers
     issue their (no-op) collectives one by one."""
     from megatron.core.distributed import param_and_grad_buffer
@@ -129,7 +129,7 @@ def fake_world(world_size: int) -> Iterator[None]:
 
     if dist.is_initialized():
         dist.destroy_process_group()
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     saved = dist.all_gather_object
 
     def all_gather_object(object_list, obj, group=None):
@@ -182,9 +182,10 @@ def _optimizer_tensors(optimizer) -> List[torch.Tensor]:
 
 def plan(values: Dict, mode: str, world_size: Optional[int] = None, cp: int = DEFAULT_CP,
          attention_backend: str = "auto", per_layer: bool = False, device: Device = CPU,
-         fused_norm: bool = True, largest: int = 0) -> Dict:
-    """Peak memory by category, FLOPs and communication of one training step of rank 0 of a
-    ``world_size`` job (default: one replica), at full size, under FakeTensorMode; with
+         fused_norm: bool = True, largest: int = 0, rank: int = 0) -> Dict:
+    """Peak memory by category, FLOPs and communication of one training step of rank ``rank``
+    (default 0) of a ``world_size`` job (default: one replica), at full size, under
+    FakeTensorMode; with
     ``per_layer``, also every tensor the first layer keeps for backward (``saved_per_layer``);
     with ``largest``, the ``largest`` biggest storages alive at the peak (``largest_at_peak``).
 
@@ -197,7 +198,7 @@ def plan(values: Dict, mode: str, world_size: Optional[int] = None, cp: int = DE
     # weights were initialised does not change the step's memory.
     args = mode.args(dict(values, use_cpu_initialization=False), cp)
     world_size = cfg.sizes(args, world_size).world_size
-    with fake_world(world_size), counts.devices_checked(device.torch):
+    with fake_world(world_size, rank), counts.devices_checked(device.torch):
         return _run(args, mode, world_size, StorageTracker(fake_scalars=True, detail=largest), attention_backend,
                     device, fake=True, per_layer=per_layer, fused_norm=fused_norm)
 
@@ -235,6 +236,7 @@ def _run(args, mode: Mode, world_size: int, tracker: StorageTracker, attention_b
         "attention_flops_per_rank": flops["attention"],
         "memory_bytes_per_rank": flops["memory_bytes"],
         "memory_bytes_by_op": flops["memory_bytes_by_op"],
+        "by_phase": flops["by_phase"],
         "comm_bytes_received": counts.totals(records),
         "comm": counts.as_dict(records),
     }
@@ -283,6 +285,7 @@ def _step(args, mode: Mode, tracker, attention_backend, device: Device, fake: bo
 
         flops_before, attention_before, bytes_before = tracker.flops, tracker.attention_flops, tracker.memory_bytes
         by_op_before = dict(tracker.memory_bytes_by_op)
+        tracker.by_phase = {}
         with saved, counts.count_collectives(on_output=receive) as records:
             result = step.train_step(model, optimizer, [batch], 1, args.seq_length, args.micro_batch_size,
                                      batch_transform=mode.batch_transform(args))
@@ -290,7 +293,8 @@ def _step(args, mode: Mode, tracker, attention_backend, device: Device, fake: bo
     by_op = {op: moved - by_op_before.get(op, 0) for op, moved in tracker.memory_bytes_by_op.items()}
     flops = {"total": tracker.flops - flops_before, "attention": tracker.attention_flops - attention_before,
              "memory_bytes": tracker.memory_bytes - bytes_before,
-             "memory_bytes_by_op": {op: moved for op, moved in by_op.items() if moved}}
+             "memory_bytes_by_op": {op: moved for op, moved in by_op.items() if moved},
+             "by_phase": tracker.by_phase}
     return static, flops, records
 
 

@@ -43,7 +43,7 @@ import json
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
-from megatron_tsp.core.sizes import DEFAULT_CP
+from megatron_tsp.core.sizes import DEFAULT_CP, ParallelSizes
 from megatron_tsp.env import run_record
 from megatron_tsp.measure import memory
 from megatron_tsp.run import config as cfg
@@ -81,6 +81,9 @@ class Hardware:
     measured: Optional[Dict] = None
     # GB/s received per rank by primitive, where it differs from the link's (a calibrated link)
     primitive_gbs: Optional[Dict] = None
+    # The share of the baselines' tensor-parallel traffic TransformerEngine's TP overlap
+    # (userbuffers, --tp-comm-overlap) hides behind GEMMs: docs/measuring.md says why 0.7.
+    te_tp_overlap_hidden: float = 0.7
 
     def at_link(self, name: str) -> "Hardware":
         """This profile with every link at the calibrated ``name`` (a rate-limited CPU link)."""
@@ -93,7 +96,8 @@ class Hardware:
                                    primitive_gbs=link.get("by_primitive_gbs"))
 
 
-_OPTIONAL_KEYS = ("links", "measured", "primitive_gbs")
+_OPTIONAL_KEYS = ("links", "measured", "primitive_gbs", "te_tp_overlap_hidden")
+_FRACTIONS = ("matmul_efficiency", "attention_efficiency", "te_tp_overlap_hidden")
 _HARDWARE_KEYS = tuple(k for k in Hardware.__dataclass_fields__ if k not in _OPTIONAL_KEYS)
 
 
@@ -111,12 +115,14 @@ def load_hardware(path: str) -> Hardware:
     for key, value in values.items():
         if key == "name":
             continue
-        if key in _OPTIONAL_KEYS:
+        if key in _OPTIONAL_KEYS and key not in _FRACTIONS:
             if not isinstance(value, dict):
                 raise cfg.ConfigError(f"{path}: '{key}' must be a mapping (megatron-tsp calibrate writes it)")
             continue
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
             raise cfg.ConfigError(f"{path}: '{key}' must be a positive number (got {value!r})")
+        if key in _FRACTIONS and not value <= 1:
+            raise cfg.ConfigError(f"{path}: '{key}' is a fraction in (0, 1] (got {value!r}; 0.7 means 70%)")
     return Hardware(**values)
 
 
@@ -151,15 +157,24 @@ def layer_counts(values: Dict, mode: str, world_size: Optional[int] = None, cp: 
 
 
 def _layer_counts(values: Dict, mode: str, world_size: Optional[int], cp: int, fused_norm: bool) -> Dict:
-    def counts(layers):
+    def counts(layers, rank):
         v = dict(values, num_layers=layers)
-        plan = memory.plan(copy.deepcopy(v), mode, world_size, cp, fused_norm=fused_norm)
+        plan = memory.plan(copy.deepcopy(v), mode, world_size, cp, attention_backend="gpu", fused_norm=fused_norm,
+                           rank=rank)
         return {"flops": plan["flops_per_rank"], "attention_flops": plan["attention_flops_per_rank"],
-                "memory_bytes": plan["memory_bytes_per_rank"],
+                "memory_bytes": plan["memory_bytes_per_rank"], "by_phase": plan["by_phase"],
                 "comm": plan["comm"], "peak_gib": plan["peak_gib"], "parallel": plan["parallel"]}
 
-    keys = ("flops", "attention_flops", "memory_bytes", "comm", "peak_gib")
-    one, two = counts(1), counts(2)
+    def slowest(layers):
+        # ranks do different attention work around the same FLOPs (blocks, merges, untouched
+        # key rows): the first and the last rank of a model-parallel group bound it
+        last = ParallelSizes.of(get_mode(mode).values(values, cp)).within_a_stage - 1
+        plans = [counts(layers, 0)] + ([counts(layers, last)] if last > 0 else [])
+        worst = max(plans, key=lambda c: c["memory_bytes"])
+        return dict(worst, peak_gib=max(c["peak_gib"] for c in plans))
+
+    keys = ("flops", "attention_flops", "memory_bytes", "by_phase", "comm", "peak_gib")
+    one, two = slowest(1), slowest(2)
     per_layer = _sub({k: two[k] for k in keys}, {k: one[k] for k in keys})
     base = _sub({k: one[k] for k in keys}, per_layer)
     return {"base": base, "per_layer": per_layer, "parallel": one["parallel"]}
@@ -172,34 +187,60 @@ def totals_for(counts: Dict, layers: int) -> Dict:
 def step_time(total: Dict, hw: Hardware, mode: str, scenario: str, world_size: int,
               phases=("forward", "backward"), overlap_grad_reduce: bool = True) -> Dict:
     """Seconds per micro-batch step of one rank, broken down (``scenario``: :data:`SCENARIOS`;
-    ``overlap_grad_reduce``: the config's, whether the data-parallel reduce can hide)."""
+    ``overlap_grad_reduce``: the config's, whether the data-parallel reduce can hide).
+
+    Overlap follows the schedule as far as the counts tell it: a transfer hides only behind
+    compute of its own phase (the forward's traffic behind the forward, the backward's, its
+    recomputation included, behind the backward), traffic that can only run beside attention
+    only behind attention, and TransformerEngine's TP overlap hides ``te_tp_overlap_hidden``
+    of the baselines' tensor-parallel traffic (the rest is exposed; its ring attention hides a
+    CP exchange behind attention)."""
     peak = hw.peak_tflops * 1e12
-    attention = total["attention_flops"]
-    attention_s = attention / (peak * hw.attention_efficiency)
-    memory_s = total.get("memory_bytes", 0) / (hw.hbm_gbs * 1e9)
-    compute = (total["flops"] - attention) / (peak * hw.matmul_efficiency) + attention_s + memory_s
+    by_phase = total.get("by_phase") or {"step": {k: total.get(k, 0) for k in
+                                                  ("flops", "attention_flops", "memory_bytes")}}
     multi_node = world_size > hw.gpus_per_node
-    comm: Dict[str, float] = {}
-    for group, by_phase in total["comm"].items():
+    comm: Dict[str, Dict[str, float]] = {}  # group -> phase -> seconds
+    for group, group_phases in total["comm"].items():
         intra = group in INTRA_NODE_GROUPS or not multi_node
         bw = (hw.intra_node_gbs if intra else hw.inter_node_gbs) * 1e9
         latency = (hw.intra_node_latency_us if intra else hw.inter_node_latency_us) * 1e-6
-        seconds = 0.0
-        for phase, prims in by_phase.items():
+        for phase, prims in group_phases.items():
             if phase not in phases:
                 continue
-            for primitive, entry in prims.items():
-                achieved = (hw.primitive_gbs or {}).get(primitive)
-                seconds += entry["bytes_received"] / (achieved * 1e9 if achieved else bw) + entry["calls"] * latency
-        if seconds > 0:
-            comm[group] = seconds
-    hides = overlapped(mode, scenario, overlap_grad_reduce)
-    behind_attention = sum(t for g, t in comm.items() if g in hides and g in get_mode(mode).behind_attention)
-    hidden = sum(t for g, t in comm.items() if g in hides) - behind_attention + min(behind_attention, attention_s)
-    exposed = sum(t for g, t in comm.items() if g not in hides) + max(0.0, behind_attention - attention_s)
-    step = max(compute, hidden) + exposed
-    return {"compute_s": compute, "memory_bound_s": memory_s, "comm_s": comm, "exposed_comm_s": step - compute,
-            "step_s": step}
+            achieved = hw.primitive_gbs or {}
+            seconds = sum(e["bytes_received"] / (achieved[p] * 1e9 if achieved.get(p) else bw) + e["calls"] * latency
+                          for p, e in prims.items())
+            if seconds > 0:
+                key = phase if phase in by_phase else "step"
+                comm.setdefault(group, {})[key] = comm.get(group, {}).get(key, 0.0) + seconds
+    the_mode = get_mode(mode)
+    full = set(overlapped(mode, "no_tp_overlap" if scenario == "overlap" else scenario, overlap_grad_reduce))
+    te = set(the_mode.hides_with_te) if scenario == "overlap" else set()
+    out = {"compute_s": 0.0, "memory_bound_s": 0.0, "step_s": 0.0}
+    for phase, counts in by_phase.items():
+        attention_s = counts["attention_flops"] / (peak * hw.attention_efficiency)
+        memory_s = counts["memory_bytes"] / (hw.hbm_gbs * 1e9)
+        compute = (counts["flops"] - counts["attention_flops"]) / (peak * hw.matmul_efficiency) + attention_s + memory_s
+        hidden = exposed = behind = 0.0
+        for group, seconds_by in comm.items():
+            t = seconds_by.get(phase, 0.0)
+            if group in full | te and group in the_mode.behind_attention:  # TSP's K/V, TE's ring attention
+                behind += t
+            elif group in full:
+                hidden += t
+            elif group in te:
+                hidden += hw.te_tp_overlap_hidden * t
+                exposed += (1 - hw.te_tp_overlap_hidden) * t
+            else:
+                exposed += t
+        hidden += min(behind, attention_s)
+        exposed += max(0.0, behind - attention_s)
+        out["compute_s"] += compute
+        out["memory_bound_s"] += memory_s
+        out["step_s"] += max(compute, hidden) + exposed
+    out["comm_s"] = {g: sum(by.values()) for g, by in comm.items()}
+    out["exposed_comm_s"] = out["step_s"] - out["compute_s"]
+    return out
 
 
 def predict(config_path: str, hw: Hardware, nodes: int = 1, modes: List[str] = ("tsp", "tp-sp"),

@@ -77,6 +77,9 @@ class StorageTracker(TorchDispatchMode):
         self.attention_flops = 0
         self.memory_bytes = 0
         self.memory_bytes_by_op: Dict[str, int] = {}
+        # the same three by phase of the step ("forward"; "backward": inside autograd's
+        # backward, recomputation included), for the overlap model
+        self.by_phase: Dict[str, Dict[str, int]] = {}
         self._inside = None  # the attention op being followed inside
         self.category: Dict[int, str] = {}  # storage id -> category
         self.size: Dict[int, int] = {}
@@ -139,6 +142,11 @@ class StorageTracker(TorchDispatchMode):
 
     _current_op = None
 
+    def _count(self, key: str, value: int) -> None:
+        phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+        counts = self.by_phase.setdefault(phase, {"flops": 0, "attention_flops": 0, "memory_bytes": 0})
+        counts[key] += value
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if self.fake_scalars and func is torch.ops.aten._local_scalar_dense.default:
@@ -156,18 +164,26 @@ class StorageTracker(TorchDispatchMode):
             flops = formula(*args, **kwargs, out_val=out)
             self.flops += flops
             self.attention_flops += flops
+            self._count("flops", flops)
+            self._count("attention_flops", flops)
         else:
             out = func(*args, **kwargs)
             if formula is not None:
                 # torch's FLOP formulas, applied here rather than under FlopCounterMode, whose
                 # module hooks keep activations alive and would distort the memory measured;
-                # inside the attention op its kernels are the op's FLOPs, counted once
+                # inside the attention op its kernels are the op's FLOPs, counted once. An
+                # out_dtype/out= overload (mm.dtype, addmm.dtype_out: GEMMs into an fp32
+                # accumulator) counts as its plain form.
                 if self._inside is None:
-                    self.flops += formula(*args, **kwargs, out_val=out)
+                    flops = formula(*(a for a in args if not isinstance(a, torch.dtype)),
+                                    **{k: v for k, v in kwargs.items() if k not in ("out", "out_dtype")}, out_val=out)
+                    self.flops += flops
+                    self._count("flops", flops)
             elif not (func.is_view or func.namespace in _NOT_MEMORY_BOUND or name in _NO_DATA
                       or (self._inside and name.startswith(_KERNEL_PREFIXES))):
                 moved = _memory_bytes(name, args, kwargs, out)
                 self.memory_bytes += moved
+                self._count("memory_bytes", moved)
                 key = f"{self._inside}/{name}" if self._inside else name
                 self.memory_bytes_by_op[key] = self.memory_bytes_by_op.get(key, 0) + moved
         for t in out if isinstance(out, (list, tuple)) else [out]:
