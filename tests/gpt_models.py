@@ -67,7 +67,7 @@ class Step(NamedTuple):
 
 def setup(mode, model="modern", tsp=1, tp=1, cp=1, pp=1, recompute=None, overlap_grad_reduce=False,
           use_distributed_optimizer=True, block_spec=False, init=True, grad_reduce_in_fp32=False,
-          with_optimizer=True, ring_mlp=False, **config_overrides):
+          with_optimizer=True, ring_mlp=False, lookahead=1, **config_overrides):
     """Process groups (unless ``init`` is false), model (DDP-wrapped chunks), optimizer and
     batch transform for ``single`` (the world=1 reference: megatron's stock local spec) or a
     mode of ``megatron_tsp.run.modes`` (its layers and batch transform, as training builds
@@ -94,6 +94,7 @@ def setup(mode, model="modern", tsp=1, tp=1, cp=1, pp=1, recompute=None, overlap
                                      sequence_parallel=(mode == "tsp" and tsp > 1) or mode.startswith("tp-sp")
                                      or (mode == "tp-cp" and tp > 1)), **config_overrides))
     args = SimpleNamespace(tsp_size=size if mode == "tsp" else 1, context_parallel_size=cp, qk_layernorm=False,
+                           tsp_lookahead=lookahead,
                            ring_mlp=ring)
     if mode == "single":
         spec = get_gpt_layer_local_spec(normalization=config.normalization)

@@ -43,8 +43,10 @@ def test_tsp_trains_like_single_process(ranks, single, model, tsp):
         dict(tsp=2, pp=2, recompute="full", load=True),
         dict(tsp=4, recompute="selective"),
         dict(tsp=2, recompute="selective:mlp"),  # TSP=2 x DP=2
+        dict(tsp=4, recompute="full", block_spec=True, lookahead=3),  # every shard in flight at once
     ],
-    ids=["dp2", "pp2", "dp2-recompute-overlap", "pp2-recompute", "selective", "selective-mlp"],
+    ids=["dp2", "pp2", "dp2-recompute-overlap", "pp2-recompute", "selective", "selective-mlp",
+         "recompute-lookahead3"],
 )
 def test_tsp_with_dp_pp_and_recompute(ranks, single, single_checkpoint, kwargs):
     if kwargs.pop("load", False):

@@ -54,6 +54,17 @@ def test_categories_add_up_and_long_context_favours_tsp():
     assert result["tsp"]["peak_gib"] < result["tp-sp"]["peak_gib"]
 
 
+def test_the_planner_sees_every_shard_in_flight():
+    """Each head-group shard of lookahead in flight at the peak is one more shard of memory."""
+    values = config.load_config(os.path.join(ROOT, "configs", "7b", "128k-tsp8.yaml"))
+    plans = {k: memory.plan(dict(values, num_layers=2, tsp_lookahead=k), "tsp", attention_backend="gpu")
+             for k in (1, 3)}
+    h, d = values["hidden_size"], values["tsp_size"]
+    shard_bytes = (3 * h * h // d + h * h // d) * 2  # MHA Wqkv and Wproj rows of one head group, bf16
+    grown = plans[3]["by_category_gib"]["communication"] - plans[1]["by_category_gib"]["communication"]
+    assert abs(grown * 2**30 - 2 * shard_bytes) < 1e-3 * shard_bytes
+
+
 def test_modes_relayout_the_same_model():
     values = config.load_config(os.path.join(ROOT, "configs", "7b", "128k-tsp8.yaml"))
     assert get_mode("tp-cp").values(values, cp=2)["tensor_model_parallel_size"] == 4

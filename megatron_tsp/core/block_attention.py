@@ -18,8 +18,7 @@ each returning its output ``o_j`` and log-sum-exp ``l_j``, merged exactly as
 
     lse = log(sum_j exp(l_j)),      out = sum_j exp(l_j - lse) · o_j
 
-(two blocks: ``out = lerp(o_1, o_2, exp(l_2 - lse))``, one elementwise kernel that computes in
-fp32 and rounds once).
+(summed in fp32 by two elementwise kernels, the second writing the rounded result).
 
 Plain causal attention of a whole sequence is ``chunk_ids = [0]``; a zigzag rank r of D holds
 ``chunk_ids = [r, 2D-1-r]``. The op saves ``(q, k, v, out, lse)``; its backward calls each
@@ -431,23 +430,30 @@ def _forward_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks_flat
                   backend: str, out: torch.Tensor) -> torch.Tensor:
     """Attention of ``q`` ``[b, h, sq, d]`` against ``k``, ``v`` over the blocks, written into
     ``out`` (any strides); returns the log-sum-exp ``[b, h, sq]`` (fp32). Blocks of the same
-    query rows are merged by their lse: out = lerp(o_1, o_2, exp(l_2 - lse)), computed in fp32
-    inside the elementwise kernel and rounded once."""
+    query rows are merged by their lse, out = sum_j exp(l_j - lse) o_j, summed in fp32 and
+    rounded once as it is written into ``out``."""
     _, kernel = _kernel(backend, q)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     for (q0, q1), row_blocks in _by_query(_unflat(blocks_flat)).items():
-        acc = acc_lse = None
-        for _, _, k0, k1, causal in row_blocks:
-            o, o_lse = kernel.forward(q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], causal, scale)
+        results = [kernel.forward(q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], causal, scale)
+                   for _, _, k0, k1, causal in row_blocks]
+        if len(results) == 1:
+            out[:, :, q0:q1].copy_(results[0][0])
+            lse[:, :, q0:q1].copy_(results[0][1])
+            continue
+        merged = results[0][1]
+        for _, o_lse in results[1:]:
+            merged = torch.logaddexp(merged, o_lse)
+        acc = None
+        for i, (o, o_lse) in enumerate(results):
+            weight = torch.exp(o_lse - merged).unsqueeze(-1)
             if acc is None:
-                acc, acc_lse = o, o_lse
-                continue
-            new_lse = torch.logaddexp(acc_lse, o_lse)
-            weight = torch.exp(o_lse - new_lse).unsqueeze(-1).to(acc.dtype)
-            acc = torch.lerp(acc, o, weight)
-            acc_lse = new_lse
-        out[:, :, q0:q1].copy_(acc)
-        lse[:, :, q0:q1].copy_(acc_lse)
+                acc = o * weight  # fp32: the weight is
+            elif i < len(results) - 1:
+                acc.addcmul_(o, weight)
+            else:  # the last term, in fp32, rounded once into out
+                torch.addcmul(acc, o, weight, out=out[:, :, q0:q1])
+        lse[:, :, q0:q1].copy_(merged)
     return lse
 
 

@@ -304,7 +304,9 @@ def plan_modes(config_path: str, modes: List[str], world_size: Optional[int] = N
     values = cfg.load_config(config_path)
     values.update(overrides or {})
     check_layouts(values, modes, world_size, cp, "--world-size")  # before the first (slow) plan
-    results = {name: plan(copy.deepcopy(values), name, world_size, cp, per_layer=per_layer, fused_norm=fused_norm,
+    # a GPU's attention kernels (the planner plans GPUs), on fake tensors wherever they live
+    results = {name: plan(copy.deepcopy(values), name, world_size, cp, attention_backend="gpu", per_layer=per_layer,
+                          fused_norm=fused_norm,
                           largest=largest)
                for name in modes}
     if per_layer:

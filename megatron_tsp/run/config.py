@@ -65,6 +65,8 @@ ARGUMENTS: Dict[str, Arg] = {
     "tensor_model_parallel_size": Arg(int, 1, "tensor parallel size"),
     "sequence_parallel": _b("Megatron sequence parallelism (implied by tsp_size > 1)"),
     "ring_mlp": _b("TSP's ring MLP in a tensor-parallel model: weight shards rotate, no activation collectives"),
+    "tsp_lookahead": Arg(int, 1, "TSP attention: head-group weight shards in flight ahead of the one in use (each "
+                                 "one more shard of memory)"),
     "context_parallel_size": Arg(int, 1, "context parallel size"),
     "pipeline_model_parallel_size": Arg(int, 1, "pipeline parallel size"),
     "use_distributed_optimizer": _b("shard optimizer state over data parallel"),
@@ -329,6 +331,7 @@ def check_combinations(ns: argparse.Namespace) -> None:
         (layout.tsp > 1 or ns.seq_length % layout.sequence_divisor == 0, "seq_length",
          f"must be divisible by {layout.sequence_divisor} (2 x context_parallel_size for the zigzag layout, "
          "and tensor_model_parallel_size with sequence parallelism or the ring MLP)"),
+        (ns.tsp_lookahead >= 1, "tsp_lookahead", "must be 1 or more"),
         (not ns.ring_mlp or (layout.tsp == 1 and tp > 1), "ring_mlp",
          "applies to a tensor-parallel model (tensor_model_parallel_size > 1, tsp_size 1; TSP's MLP is a ring "
          "already)"),
