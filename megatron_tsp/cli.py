@@ -243,6 +243,8 @@ def _memory_parser(sub, common) -> None:
                    help="list every tensor layer 0 keeps for backward, and the analytic formula")
     p.add_argument("--largest", type=NON_NEGATIVE_INT, default=0, metavar="N",
                    help="list the N largest storages alive at each mode's peak (what sets it)")
+    p.add_argument("--bytes-by-op", action="store_true",
+                   help="memory-bound bytes one layer adds, op by op, on the slowest rank (plans 1 and 2 layers)")
     _fused_norm_flag(p)
     _config_flags(p, ["num_layers", "seq_length", "max_position_embeddings", "micro_batch_size",
                       "recompute_granularity"])
@@ -258,8 +260,10 @@ def _cmd_memory(ns: argparse.Namespace) -> int:
         figures.pyplot("--plot")
     result = memory.plan_modes(ns.config, ns.modes, world_size=ns.world_size, cp=ns.cp,
                                overrides=config.overrides(ns), per_layer=ns.per_layer, fused_norm=ns.fused_norm,
-                               largest=ns.largest)
+                               largest=ns.largest, by_op=ns.bytes_by_op)
     print(memory.table(result))
+    if ns.bytes_by_op:
+        print(memory.bytes_by_op_table(result))
     if ns.largest:
         print(memory.largest_table(result))
     if ns.per_layer:

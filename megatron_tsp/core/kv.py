@@ -45,10 +45,11 @@ class GatherKV:
         self._local = local  # alive until the collectives have read it
 
     def wait(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """K and V (views): the gathered buffer lives as long as they do, not as this object."""
         for handle in self.handles:
             self.inflight.wait(handle)
-        del self._local
-        return self.full[:, 0], self.full[:, 1]
+        full, self.full, self._local = self.full, None, None
+        return full[:, 0], full[:, 1]
 
 
 def grad_buffer(rows: int, like: torch.Tensor) -> torch.Tensor:
@@ -73,7 +74,7 @@ class ScatterKVGrads:
     def wait(self) -> Tuple[torch.Tensor, torch.Tensor]:
         for handle in self.handles:
             self.inflight.wait(handle)
-        del self._full
+        self._full = None
         return self.local[:, 0], self.local[:, 1]
 
 

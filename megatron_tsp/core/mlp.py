@@ -9,7 +9,7 @@ ffn dimension is elementwise, so
 exactly, summed over the D shards j as they pass through rank p (shard j = (p - t) mod D at
 step t, sent on to p+1 while the next arrives from p-1). Nothing leaves the rank but weights:
 no all-reduce, no all-gather. Backward runs the ring again, with a gradient accumulator
-travelling behind each shard to its owner (``streaming.ShardRing``). Saved for backward:
+travelling behind each shard to its owner (``streaming.WeightRing``). Saved for backward:
 ``x_p`` and the fc1 output of every shard for this rank's tokens (1/D of what one device
 saves); only the elementwise activation is recomputed.
 

@@ -298,17 +298,46 @@ def _step(args, mode: Mode, tracker, attention_backend, device: Device, fake: bo
     return static, flops, records
 
 
+def bytes_by_op_per_layer(values: Dict, mode: str, cp: int = DEFAULT_CP, fused_norm: bool = True) -> Dict:
+    """Memory-bound bytes one layer adds to a step, op by op (the 2-layer minus the 1-layer
+    plan, a GPU's kernels), on the slowest of the first and the last rank of a model-parallel
+    group (TSP's ranks do different attention work around the same FLOPs):
+    ``{"rank", "total_gb", "by_op_gb"}``, largest first."""
+    last = ParallelSizes.of(get_mode(mode).values(values, cp)).within_a_stage - 1
+    per_rank = []
+    for rank in sorted({0, last}):
+        plans = [plan(dict(copy.deepcopy(values), num_layers=n), mode, cp=cp, attention_backend="gpu",
+                      fused_norm=fused_norm, rank=rank)["memory_bytes_by_op"] for n in (1, 2)]
+        diff = {op: plans[1].get(op, 0) - plans[0].get(op, 0) for op in set(plans[0]) | set(plans[1])}
+        per_rank.append((sum(diff.values()), rank, diff))
+    total, rank, diff = max(per_rank)
+    by_op = {op: b / 1e9 for op, b in sorted(diff.items(), key=lambda kv: -kv[1]) if abs(b) >= 1e6}
+    return {"rank": rank, "total_gb": total / 1e9, "by_op_gb": by_op}
+
+
+def bytes_by_op_table(result: Dict, rows: int = 20) -> str:
+    modes = [m for m in result["modes"] if "bytes_by_op" in result["modes"][m]]
+    lines = ["Memory-bound bytes per layer, by op (GB; 2-layer minus 1-layer plan, slowest rank):", ""]
+    for mode in modes:
+        r = result["modes"][mode]["bytes_by_op"]
+        lines.append(f"{mode} (rank {r['rank']}): {r['total_gb']:.2f} GB per layer")
+        lines += [f"  {op:48s} {gb:8.2f}" for op, gb in list(r["by_op_gb"].items())[:rows]]
+    return "\n".join(lines)
+
+
 def plan_modes(config_path: str, modes: List[str], world_size: Optional[int] = None, cp: int = DEFAULT_CP,
                overrides: Optional[Dict] = None, per_layer: bool = False, fused_norm: bool = True,
-               largest: int = 0) -> Dict:
+               largest: int = 0, by_op: bool = False) -> Dict:
     values = cfg.load_config(config_path)
     values.update(overrides or {})
     check_layouts(values, modes, world_size, cp, "--world-size")  # before the first (slow) plan
     # a GPU's attention kernels (the planner plans GPUs), on fake tensors wherever they live
     results = {name: plan(copy.deepcopy(values), name, world_size, cp, attention_backend="gpu", per_layer=per_layer,
-                          fused_norm=fused_norm,
-                          largest=largest)
+                          fused_norm=fused_norm, largest=largest)
                for name in modes}
+    if by_op:
+        for name, r in results.items():
+            r["bytes_by_op"] = bytes_by_op_per_layer(values, name, cp, fused_norm)
     if per_layer:
         for name, r in results.items():
             args = get_mode(name).args(values, cp)
