@@ -215,9 +215,12 @@ class TSPSelfAttention(SelfAttention):
         aligned = bottom_right(backend, hidden_states.device, hidden_states.dtype, planned=_fake(hidden_states))
         blocks = zigzag_blocks(d_size, rank, chunk, aligned) if d_size > 1 else \
             [(0, chunk, 0, chunk, True)]
+        starts = sorted({b[0] for b in blocks})
+        chunks = [(slice(q0, q0 + chunk), [(b[0] - q0, b[1] - q0, *b[2:]) for b in blocks if b[0] == q0])
+                  for q0 in starts]
         args = AttentionScheduleArgs(
             kv_group=self.tsp_group, weight_group=self.weight_group, split_heads=self.split_heads,
-            rope=self.rope_tables(freqs, hidden_states.dtype), blocks=blocks, softmax_scale=self.softmax_scale,
+            rope=self.rope_tables(freqs, hidden_states.dtype), chunks=chunks, softmax_scale=self.softmax_scale,
             backend=backend, hidden_size=self.config.hidden_size, head_dim=self.hidden_size_per_attention_head,
             kv_heads=self.num_query_groups_per_partition, has_bias=self.linear_qkv.bias is not None,
             overlap=self.overlap_comm, lookahead=self.lookahead,
@@ -236,8 +239,9 @@ def _fake(t: torch.Tensor) -> bool:
 class AttentionScheduleArgs:
     """The arguments of :class:`StreamAttentionHeads`: the group K/V are gathered over and
     the one weight shards are broadcast over; ``split_heads(qkv, rope) -> q, k, v`` for one
-    head group (q/k norms and RoPE: the layer's local stage) and its RoPE tables; the
-    attention blocks of this rank (:func:`zigzag_blocks`), scale and kernel; whether the QKV
+    head group (q/k norms and RoPE: the layer's local stage) and its RoPE tables; this
+    rank's query chunks, each its rows and attention blocks (:func:`zigzag_blocks`; the
+    first needs only every rank's first chunk of K/V), scale and kernel; whether the QKV
     projection has a bias (a shard is then Wqkv, bqkv, Wproj); the overlap switch and
     lookahead; the model's layer chain and the module (:mod:`prefetch`)."""
 
@@ -245,7 +249,7 @@ class AttentionScheduleArgs:
     weight_group: dist.ProcessGroup
     split_heads: Callable
     rope: Rope
-    blocks: List[Tuple[int, int, int, int, bool]]
+    chunks: List[Tuple[slice, list]]
     softmax_scale: float
     backend: str
     hidden_size: int
@@ -293,7 +297,7 @@ class StreamAttentionHeads(torch.autograd.Function):
         d_size = args.kv_group.size()
         out = x.new_empty(x.shape[:2] + (args.hidden_size,))  # O: head group r in columns(r)
         proj = own[-1] if d_size == 1 else own[-1].new_empty(own[-1].size(0), args.hidden_size)
-        projections, lses = [None] * d_size, [None] * d_size
+        projections, lses = [None] * d_size, []
         with comm.InFlight() as inflight:
             stream = WeightBroadcast(own, args.weight_group, inflight, first=args.chain.take(args.module))
 
@@ -319,9 +323,14 @@ class StreamAttentionHeads(torch.autograd.Function):
                     if r == d_size - 1:  # the next layer's first shard travels during this last group
                         args.chain.post_next(args.module, backward=False)
                     upcoming = project(r + 1) if r + 1 < d_size else None
-                keys, values = group.kv.wait() if d_size > 1 else (group.kv[:, 0], group.kv[:, 1])
                 o = out[..., args.columns(r)].view(out.shape[:2] + (-1, args.head_dim))
-                lses[r] = attend_into(group.query, keys, values, args.blocks, args.softmax_scale, args.backend, o)
+                for i, (rows, blocks) in enumerate(args.chunks):  # the first chunk's keys arrive first
+                    if d_size > 1:
+                        keys, values = group.kv.wait_first() if i == 0 else group.kv.wait()
+                    else:
+                        keys, values = group.kv[:, 0], group.kv[:, 1]
+                    lses.append(attend_into(group.query[rows], keys, values, blocks, args.softmax_scale,
+                                            args.backend, o[rows]))
                 if not args.overlap and r + 1 < d_size:
                     stream.start(r + 1)
                     upcoming = project(r + 1)
@@ -370,8 +379,8 @@ class StreamAttentionHeads(torch.autograd.Function):
 
 class Saved(NamedTuple):
     """What the forward keeps for backward (by ``save_for_backward``, so that saved-tensor
-    hooks see it): the input, the concatenated attention output O, and per head group r the
-    projection ``m_r`` and log-sum-exp ``lse_r`` of this rank's tokens."""
+    hooks see it): the input, the concatenated attention output O, per head group r the
+    projection ``m_r``, and per head group and query chunk the log-sum-exp (group-major)."""
 
     x: torch.Tensor
     out: torch.Tensor
@@ -381,7 +390,7 @@ class Saved(NamedTuple):
     lses: List[torch.Tensor]
 
     def save(self, ctx) -> None:
-        ctx.saved_layout = (len(self.own), len(self.replicated), len(self.projections))
+        ctx.saved_layout = (len(self.own), len(self.replicated), len(self.projections))  # then the lses
         ctx.save_for_backward(self.x, self.out, *self.own, *self.replicated, *self.projections, *self.lses)
 
     @classmethod
@@ -451,15 +460,24 @@ class HeadGroupGradients:
         gemm_t(self.dy2d, self.out2d[:, cols], out=unpack(flat, self.saved.own)[-1])  # dWproj_r
         d_out = (self.dy @ shard[-1]).view(self.dy.shape[:2] + (-1, args.head_dim))
         out = self.saved.out[..., cols].view(d_out.shape)
-        if args.kv_group.size() > 1:
-            keys, values = inputs.kv.wait()
-        else:
-            keys, values = inputs.kv[:, 0], inputs.kv[:, 1]
+        spread = args.kv_group.size() > 1
+        keys, values = inputs.kv.wait() if spread else (inputs.kv[:, 0], inputs.kv[:, 1])
         dkv, fresh = self._dkv_buffer(r, keys)
-        dq = attend_backward_into(d_out, inputs.query.detach(), keys, values, out, self.saved.lses[r],
-                                  args.blocks, args.softmax_scale, args.backend, dkv[:, 0], dkv[:, 1],
-                                  zero_untouched=fresh)
-        scatter = ScatterKVGrads(dkv, args.kv_group, inflight) if args.kv_group.size() > 1 else dkv
+        query = inputs.query.detach()
+        dq = torch.empty_like(query)
+        scatter = ScatterKVGrads(dkv, args.kv_group, inflight) if spread else dkv
+        n = len(args.chunks)
+        # the last chunk first: once its backward has run, every rank's second chunk of dK/dV
+        # is final and travels while the first chunk's backward runs
+        for pos, i in enumerate(reversed(range(n))):
+            rows, blocks = args.chunks[i]
+            attend_backward_into(d_out[rows], query[rows], keys, values, out[rows], self.saved.lses[r * n + i],
+                                 blocks, args.softmax_scale, args.backend, dq[rows], dkv[:, 0], dkv[:, 1],
+                                 zero_untouched=fresh and pos == 0, accumulate=pos > 0)
+            if spread and pos == 0:
+                scatter.post_second_halves()
+        if spread:
+            scatter.post_first_halves()
         return HeadGroupAttentionGrads(r, shard, inputs, dq, scatter, flat)
 
     def _dkv_buffer(self, r: int, keys: torch.Tensor) -> Tuple[torch.Tensor, bool]:

@@ -464,15 +464,15 @@ def _forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks_flat
 
 
 def _backward_into(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                   lse: torch.Tensor, blocks_flat: List[int], scale: float, backend: str, dk: torch.Tensor,
-                   dv: torch.Tensor, zero_untouched: bool) -> torch.Tensor:
-    """Each block's kernel backward with the merged ``out`` and ``lse``. dK, dV go into the
-    caller's fp32 ``dk``, ``dv`` (any strides): copied where a block first touches keys,
-    added where blocks overlap, and (``zero_untouched``; else the caller knows them zero
-    already) zero where none does; dq is returned in q's dtype, the sum of a query chunk's
-    blocks formed by one elementwise add (fp32 inside, rounded once)."""
+                   lse: torch.Tensor, blocks_flat: List[int], scale: float, backend: str, dq: torch.Tensor,
+                   dk: torch.Tensor, dv: torch.Tensor, zero_untouched: bool, accumulate: bool) -> None:
+    """Each block's kernel backward with the merged ``out`` and ``lse``. dq goes into ``dq``
+    (q's dtype; a chunk's blocks summed by one elementwise add: fp32 inside, rounded once).
+    dK, dV go into the caller's fp32 ``dk``, ``dv`` (any strides): copied where a block
+    first touches keys, added where blocks overlap (everywhere with ``accumulate``: the
+    buffers hold other query chunks' gradients already), and with ``zero_untouched`` zero
+    where no block touches them."""
     _, kernel = _kernel(backend, q)
-    dq = torch.empty_like(q)
     touched: List[Tuple[int, int]] = []  # key row ranges written so far
     for (q0, q1), row_blocks in _by_query(_unflat(blocks_flat)).items():
         acc = None
@@ -482,7 +482,7 @@ def _backward_into(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
             acc = g[0] if acc is None else torch.add(acc, g[0])
             for a, b, add in _cover(touched, k0, k1):
                 for buf, grad in ((dk, g[1]), (dv, g[2])):
-                    if add:
+                    if add or accumulate:
                         buf[:, :, a:b].add_(grad[:, :, a - k0:b - k0])
                     else:
                         buf[:, :, a:b].copy_(grad[:, :, a - k0:b - k0])
@@ -490,7 +490,6 @@ def _backward_into(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     for a, b in _gaps(touched, dk.size(2)) if zero_untouched else ():
         dk[:, :, a:b].zero_()
         dv[:, :, a:b].zero_()
-    return dq
 
 
 def _cover(touched: List[Tuple[int, int]], k0: int, k1: int) -> List[Tuple[int, int, bool]]:
@@ -520,7 +519,7 @@ _block_attention_into = torch.library.custom_op("megatron_tsp::block_attention_i
                                                 mutates_args=("out",))(_forward_into)
 _block_attention_into.register_fake(_forward_into)
 _block_attention_backward = torch.library.custom_op("megatron_tsp::block_attention_backward",
-                                                    mutates_args=("dk", "dv"))(_backward_into)
+                                                    mutates_args=("dq", "dk", "dv"))(_backward_into)
 _block_attention_backward.register_fake(_backward_into)
 
 # the Python implementation of each op (the memory tracker follows them inside)
@@ -539,9 +538,10 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dout, _dlse):
     q, k, v, out, lse = ctx.saved_tensors
+    dq = torch.empty_like(q)
     dk = torch.empty_like(k, dtype=torch.float32)
     dv = torch.empty_like(v, dtype=torch.float32)
-    dq = _block_attention_backward(dout, q, k, v, out, lse, *ctx.args, dk, dv, True)
+    _block_attention_backward(dout, q, k, v, out, lse, *ctx.args, dq, dk, dv, True, False)
     return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
@@ -611,12 +611,14 @@ def attend_into(query, keys, values, blocks_: Sequence[Block], scale: float, bac
 
 
 def attend_backward_into(d_out, query, keys, values, out, lse, blocks_: Sequence[Block], scale: float,
-                         backend: str, d_keys, d_values, zero_untouched: bool = True) -> torch.Tensor:
-    """dq ``[sq, b, hq, d]`` in the query's dtype; dK, dV written into the caller's fp32
-    ``d_keys``, ``d_values`` ``[sk, b, hk, d]`` (views of the reduce-scatter buffer) from the
-    saved forward: each block's kernel backward with the merged lse; no attention forward.
-    ``zero_untouched=False``: the key rows no block touches are zero in the buffers already."""
-    do, q, k, v, o, dk, dv = _bhsd(d_out, query, keys, values, out, d_keys, d_values)
-    dq = _block_attention_backward(do, q, k, v, o, lse, _flat(blocks_), float(scale), backend, dk, dv,
-                                   zero_untouched)
-    return dq.permute(2, 0, 1, 3)
+                         backend: str, d_query, d_keys, d_values, zero_untouched: bool = True,
+                         accumulate: bool = False) -> None:
+    """From the saved forward (each block's kernel backward with the merged lse; no attention
+    forward): dq into ``d_query`` ``[sq, b, hq, d]`` (the query's dtype), dK and dV into the
+    caller's fp32 ``d_keys``, ``d_values`` ``[sk, b, hk, d]`` (views of the reduce-scatter
+    buffer). ``accumulate``: add to what other query chunks wrote there; ``zero_untouched``:
+    zero the key rows no block touches (False: they are zero already, or another call
+    writes them)."""
+    do, q, k, v, o, dq, dk, dv = _bhsd(d_out, query, keys, values, out, d_query, d_keys, d_values)
+    _block_attention_backward(do, q, k, v, o, lse, _flat(blocks_), float(scale), backend, dq, dk, dv,
+                              zero_untouched, accumulate)

@@ -33,21 +33,28 @@ def send_buffer(key_shape, like: torch.Tensor) -> torch.Tensor:
 
 
 class GatherKV:
-    """Start ``K, V = all_gather(k, v)`` into the zigzag layout; :meth:`wait` returns them
-    ``[2Dc, b, g, d]`` (views of one buffer). ``local``: this rank's :func:`send_buffer`."""
+    """Start ``K, V = all_gather(k, v)`` into the zigzag layout, every rank's first chunks
+    first (what this rank's first query chunk attends to: :meth:`wait_first`), then their
+    second chunks; :meth:`wait` returns both, ``[2Dc, b, g, d]`` views of one buffer.
+    ``local``: this rank's :func:`send_buffer`."""
 
     def __init__(self, local: torch.Tensor, group, inflight: comm.InFlight):
         d, c = group.size(), local.size(0) // 2
         self.full = local.new_empty((2 * d * c,) + tuple(local.shape[1:]))
         self.inflight = inflight
-        self.handles = [comm.all_gather(self.full[: d * c], local[c:], group, inflight),
-                        comm.all_gather(self.full[d * c :], local[:c], group, inflight)]
+        self.first = comm.all_gather(self.full[d * c :], local[:c], group, inflight)
+        self.second = comm.all_gather(self.full[: d * c], local[c:], group, inflight)
         self._local = local  # alive until the collectives have read it
+
+    def wait_first(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """K and V once every rank's first chunk (slots D..2D-1) has arrived; slots 0..D-1
+        are still arriving."""
+        self.inflight.wait(self.first)
+        return self.full[:, 0], self.full[:, 1]
 
     def wait(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """K and V (views): the gathered buffer lives as long as they do, not as this object."""
-        for handle in self.handles:
-            self.inflight.wait(handle)
+        self.inflight.wait([self.first, self.second])
         full, self.full, self._local = self.full, None, None
         return full[:, 0], full[:, 1]
 
@@ -59,22 +66,31 @@ def grad_buffer(rows: int, like: torch.Tensor) -> torch.Tensor:
 
 
 class ScatterKVGrads:
-    """Start ``dk, dv = reduce_scatter(dK, dV)`` from the fp32 buffer of :func:`grad_buffer`;
-    :meth:`wait` returns this rank's ``[2c, b, g, d]`` (its own order), summed over ranks."""
+    """``dk, dv = reduce_scatter(dK, dV)`` from the fp32 buffer of :func:`grad_buffer`, in two
+    halves posted as they are final: :meth:`post_second_halves` (slots 0..D-1, every rank's
+    second chunk: final once the query chunk that attends to them has run its backward) and
+    :meth:`post_first_halves`; :meth:`wait` returns this rank's ``[2c, b, g, d]`` (its own
+    order), summed over ranks."""
 
     def __init__(self, full: torch.Tensor, group, inflight: comm.InFlight):
-        d = group.size()
-        c = full.size(0) // (2 * d)
-        self.local = full.new_empty((2 * c,) + tuple(full.shape[1:]))
-        self.inflight = inflight
-        self.handles = [comm.reduce_scatter(self.local[c:], full[: d * c], group, inflight),
-                        comm.reduce_scatter(self.local[:c], full[d * c :], group, inflight)]
-        self._full = full  # alive until the collectives have read it
+        self.d, self.c = group.size(), full.size(0) // (2 * group.size())
+        self.full, self.group, self.inflight = full, group, inflight
+        self.local = full.new_empty((2 * self.c,) + tuple(full.shape[1:]))
+        self.handles = []
+
+    def post_second_halves(self) -> "ScatterKVGrads":
+        d, c = self.d, self.c
+        self.handles.append(comm.reduce_scatter(self.local[c:], self.full[: d * c], self.group, self.inflight))
+        return self
+
+    def post_first_halves(self) -> "ScatterKVGrads":
+        d, c = self.d, self.c
+        self.handles.append(comm.reduce_scatter(self.local[:c], self.full[d * c :], self.group, self.inflight))
+        return self
 
     def wait(self) -> Tuple[torch.Tensor, torch.Tensor]:
-        for handle in self.handles:
-            self.inflight.wait(handle)
-        self._full = None
+        self.inflight.wait(self.handles)
+        self.full = None  # alive until the collectives have read it
         return self.local[:, 0], self.local[:, 1]
 
 
