@@ -100,13 +100,14 @@ MODELS = {"gelu-mha": dict(LAYER, ffn_hidden_size=1024),
 @pytest.mark.parametrize("model", list(MODELS))
 def test_per_layer_activations_match_the_formula(model, mode, fused_norm):
     """What one layer keeps for backward, tensor by tensor, adds up to Korthikanti et al.'s
-    formula plus the documented terms of the modules measured (within 10%)."""
+    formula plus the documented terms of the modules measured (to 0.1%: every tensor is
+    accounted for)."""
     values = MODELS[model]
     rows = memory.plan(dict(values), mode, per_layer=True, fused_norm=fused_norm)["saved_per_layer"]
     measured = sum(r["bytes"] for r in rows)
     terms = memory.activation_terms(config.resolve(get_mode(mode).values(values)), mode, fused_norm)
     expected = sum(terms["formula"].values()) + sum(terms["implementation"].values())
-    assert abs(measured - expected) <= 0.1 * expected, (measured, expected, rows)
+    assert abs(measured - expected) <= 1e-3 * expected, (measured, expected, rows)
 
 
 def test_formula_is_korthikantis_for_a_gpt_layer():

@@ -26,8 +26,9 @@ baseline uses too.
 
 from __future__ import annotations
 
+import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, List, NamedTuple, Optional, Tuple
 
 import torch
@@ -336,14 +337,14 @@ class StreamAttentionHeads(torch.autograd.Function):
                     upcoming = project(r + 1)
                 group = upcoming
         y = F.linear(out, proj)  # one GEMM over the head groups: fp32 inside, rounded once
-        ctx.args = args
-        Saved(x, out, own, replicated, projections, lses).save(ctx)
+        ctx.args = replace(args, rope=None)  # the tables travel as saved tensors
+        Saved(x, out, own, replicated, projections, lses, list(args.rope or ())).save(ctx)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        args: AttentionScheduleArgs = ctx.args
         saved = Saved.load(ctx)
+        args: AttentionScheduleArgs = replace(ctx.args, rope=tuple(saved.rope) or None)
         grads = HeadGroupGradients(args, dy, saved)
         d_size = args.kv_group.size()
         with comm.InFlight() as inflight:
@@ -380,7 +381,8 @@ class StreamAttentionHeads(torch.autograd.Function):
 class Saved(NamedTuple):
     """What the forward keeps for backward (by ``save_for_backward``, so that saved-tensor
     hooks see it): the input, the concatenated attention output O, per head group r the
-    projection ``m_r``, and per head group and query chunk the log-sum-exp (group-major)."""
+    projection ``m_r``, per head group and query chunk the log-sum-exp (group-major), and the
+    RoPE tables of this rank's tokens (empty without RoPE)."""
 
     x: torch.Tensor
     out: torch.Tensor
@@ -388,16 +390,17 @@ class Saved(NamedTuple):
     replicated: List[torch.Tensor]
     projections: List[torch.Tensor]
     lses: List[torch.Tensor]
+    rope: List[torch.Tensor]
 
     def save(self, ctx) -> None:
-        ctx.saved_layout = (len(self.own), len(self.replicated), len(self.projections))  # then the lses
-        ctx.save_for_backward(self.x, self.out, *self.own, *self.replicated, *self.projections, *self.lses)
+        ctx.saved_layout = [len(p) for p in (self.own, self.replicated, self.projections, self.lses)]
+        ctx.save_for_backward(self.x, self.out, *self.own, *self.replicated, *self.projections, *self.lses,
+                              *self.rope)
 
     @classmethod
     def load(cls, ctx) -> "Saved":
-        n_own, n_rep, d = ctx.saved_layout
         x, out, *rest = ctx.saved_tensors
-        cuts = [n_own, n_own + n_rep, n_own + n_rep + d]
+        cuts = list(itertools.accumulate(ctx.saved_layout))
         parts = [rest[a:b] for a, b in zip([0] + cuts, cuts + [len(rest)])]
         return cls(x, out, *(list(p) for p in parts))
 

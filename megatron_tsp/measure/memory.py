@@ -59,11 +59,10 @@ def activation_terms(args, mode: str, fused_norm: bool = True) -> Dict[str, Dict
     in ``tests/test_memory.py``): a fused norm (``fused_norm``: TransformerEngine's, apex's
     or TSP's RMSNorm) keeps an fp32 statistic per token besides its input; torch's own
     RMSNorm with fp32 weights (megatron's torch fallback) keeps fp32 copies of its input and
-    of the normalised product instead of the input; megatron's unfused SwiGLU keeps
-    ``silu(x1)`` and ``x2 + offset`` for the
-    product; megatron's RoPE keeps rotated copies of Q and K (the unrotated QKV output stays
+    of the normalised product instead of the input, and the statistic; megatron's unfused
+    SwiGLU keeps ``silu(x1)`` and ``x2 + offset`` for the product; megatron's RoPE keeps rotated copies of Q and K (the unrotated QKV output stays
     alive too, as V is a view of it) and bf16 cos/sin tables for the whole sequence; TSP
-    keeps only fp32 frequencies for its own tokens.
+    keeps only the cos/sin tables of its own tokens.
     """
     e = 2 if args.bf16 or args.fp16 else 4
     t = ParallelSizes.of(args).tensor_slot
@@ -86,12 +85,13 @@ def activation_terms(args, mode: str, fused_norm: bool = True) -> Dict[str, Dict
     if args.normalization == "RMSNorm" and fused_norm:
         implementation["RMSNorm: fp32 rstd per token (2 norms)"] = 2 * 4 * tokens
     elif args.normalization == "RMSNorm":
-        implementation["torch RMSNorm: fp32 input and product, not bf16 input"] = 2 * (8 - e) * tokens * h
+        implementation["torch RMSNorm: fp32 input and product, not bf16 input; fp32 rstd"] = (
+            2 * (8 - e) * tokens * h + 2 * 4 * tokens)
     if args.swiglu and not ring_mlp:
         implementation["unfused SwiGLU: silu(x1) and x2 + offset, kept by the product"] = 2 * e * tokens * f
     if args.position_embedding_type == "rope":
         if tsp_attention:
-            implementation["RoPE frequencies (fp32, own tokens)"] = 4 * tokens * d
+            implementation["RoPE: cos/sin tables (own tokens)"] = 2 * e * tokens * d
         else:
             implementation["RoPE: rotated Q and K copies"] = e * tokens * d * (a + g)
             implementation["RoPE: cos/sin tables (whole sequence)"] = 4 * e * s * d
