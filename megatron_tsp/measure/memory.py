@@ -60,9 +60,10 @@ def activation_terms(args, mode: str, fused_norm: bool = True) -> Dict[str, Dict
     or TSP's RMSNorm) keeps an fp32 statistic per token besides its input; torch's own
     RMSNorm with fp32 weights (megatron's torch fallback) keeps fp32 copies of its input and
     of the normalised product instead of the input, and the statistic; megatron's unfused
-    SwiGLU keeps ``silu(x1)`` and ``x2 + offset`` for the product; megatron's RoPE keeps rotated copies of Q and K (the unrotated QKV output stays
-    alive too, as V is a view of it) and bf16 cos/sin tables for the whole sequence; TSP
-    keeps only the cos/sin tables of its own tokens.
+    SwiGLU keeps ``silu(x1)`` and ``x2 + offset`` for the product; megatron's RoPE keeps
+    rotated copies of Q and K (the unrotated QKV output stays alive too, as V is a view of
+    it) and bf16 cos/sin tables for the whole sequence; TSP keeps only the cos/sin tables of
+    its own tokens.
     """
     e = 2 if args.bf16 or args.fp16 else 4
     t = ParallelSizes.of(args).tensor_slot
