@@ -42,14 +42,14 @@ def _submodules(qk_norm, norm=WrappedTorchNorm):
                                    linear_proj=RowParallelLinear, q_layernorm=norm, k_layernorm=norm)
 
 
-def _build(tsp_size, dtype, groups, qkv_bias, proj_bias, qk_norm, overlap=True):
+def _build(tsp_size, dtype, groups, qkv_bias, proj_bias, qk_norm, overlap=True, kv_channels=None):
     """(stock reference at world 1, TSP module, solo groups), same seed and dtype. In bf16
     the TSP module runs the math backend of the attention op, whose rounding is that of the
     stock module's unfused attention: what is tested here is the TSP schedule; the flash
     kernel's own bf16 rounding is tested against float64 with the op."""
     ref_cfg, tsp_cfg = configs(tsp_size, dtype, hidden_size=HIDDEN, num_attention_heads=HEADS,
                                num_query_groups=groups, add_bias_linear=proj_bias, add_qkv_bias=qkv_bias,
-                               qk_layernorm=qk_norm)
+                               qk_layernorm=qk_norm, kv_channels=kv_channels)
     solo = solo_pg_collection()
     torch.manual_seed(0)
     ref = SelfAttention(ref_cfg, _submodules(qk_norm), layer_number=1,
@@ -68,9 +68,9 @@ def _run_tsp(tsp, x_full, dy_full, rope):
     return out, bias, x
 
 
-def _one_case(tsp_size, dtype, groups, rope, qkv_bias, proj_bias, qk_norm):
+def _one_case(tsp_size, dtype, groups, rope, qkv_bias, proj_bias, qk_norm, kv_channels=None):
     group = megatron_tsp.get_tsp_group()
-    ref, tsp, solo = _build(tsp_size, dtype, groups, qkv_bias, proj_bias, qk_norm)
+    ref, tsp, solo = _build(tsp_size, dtype, groups, qkv_bias, proj_bias, qk_norm, kv_channels=kv_channels)
     g = torch.Generator().manual_seed(1)
     x_full = torch.randn(SEQ, BATCH, HIDDEN, generator=g).to(dtype)
     dy_full = torch.randn(SEQ, BATCH, HIDDEN, generator=g).to(dtype)
@@ -105,7 +105,8 @@ def _one_case(tsp_size, dtype, groups, rope, qkv_bias, proj_bias, qk_norm):
 CASES = [
     dict(groups=g, rope=r, qkv_bias=qb, proj_bias=pb, qk_norm=qn)
     for g, r, (qb, pb), qn in itertools.product((8, 4), (True, False), ((False, False), (True, True)), (False,))
-] + [dict(groups=4, rope=True, qkv_bias=False, proj_bias=False, qk_norm=True)]
+] + [dict(groups=4, rope=True, qkv_bias=False, proj_bias=False, qk_norm=True),
+      dict(groups=4, rope=True, qkv_bias=False, proj_bias=True, qk_norm=False, kv_channels=12)]  # a*d != h
 
 
 def _all_cases(tsp_size, dtype):

@@ -20,6 +20,7 @@ from conftest import ROOT
 
 from megatron_tsp import cli
 from megatron_tsp.errors import CheckpointError
+from megatron_tsp.measure import perfmodel
 from megatron_tsp.run import checkpointing, config, data, preflight
 
 TINY = os.path.join(ROOT, "configs", "tiny-cpu.yaml")
@@ -309,6 +310,17 @@ def test_predict_with_a_mistyped_hardware_value(capsys, tmp_path):
     path = _write(tmp_path, "hw.yaml", text)
     assert "'peak_tflops' must be a positive number" in one_line(
         capsys, ["predict", MODEL_7B, "--hardware", path], code=2)
+
+
+@pytest.mark.parametrize("hidden,ok", [(0, True), (0.7, True), (1, True), (1.5, False), (-0.1, False)])
+def test_te_overlap_fraction_may_be_zero_and_no_more_than_one(tmp_path, hidden, ok):
+    with open(H100) as f:
+        path = _write(tmp_path, "hw.yaml", f.read() + f"\nte_tp_overlap_hidden: {hidden}\n")
+    if ok:
+        assert perfmodel.load_hardware(path).te_tp_overlap_hidden == hidden
+    else:
+        with pytest.raises(config.ConfigError, match=r"'te_tp_overlap_hidden' is a fraction in \[0, 1\]"):
+            perfmodel.load_hardware(path)
 
 
 @pytest.mark.parametrize("flags,message", [

@@ -7,6 +7,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_tsp.core import comm
+from megatron_tsp.core import gemm as gemm_module
 from megatron_tsp.core.gemm import fp32_output_gemm, gemm, gemm_t
 from megatron_tsp.core.prefetch import LayerChain
 from megatron_tsp.core.streaming import deliver_grads, pack, unpack
@@ -34,6 +35,8 @@ def test_a_transfer_waited_for_twice_is_waited_for_once():
         work = inflight.add(Work())
         inflight.wait(work)
         inflight.wait([work])
+        with pytest.raises(RuntimeError, match="never added to this schedule"):
+            inflight.wait(Work())  # waiting would not make its buffer safe to read
     assert work.waited == 1
 
 
@@ -58,22 +61,35 @@ def test_gemm_accumulates_in_fp32_and_writes_where_it_is_told():
         gemm(a, b, accumulate=True)
 
 
-def test_bf16_gemms_cast_on_the_cpu_and_take_the_fp32_output_kernels_where_the_planner_plans_a_gpu():
-    assert not fp32_output_gemm(torch.device("cpu"), torch.bfloat16)  # tried once, cached
+def test_bf16_gemms_cast_where_this_torch_has_no_fp32_output_kernel():
+    takes = fp32_output_gemm(torch.device("cpu"), torch.bfloat16)  # tried once, cached
+    assert fp32_output_gemm(torch.device("cpu"), torch.bfloat16) is takes
     a, b = torch.randn(64, 24), torch.randn(24, 16)
     low = a.bfloat16(), b.bfloat16()
     acc = torch.zeros(64, 16)
     with _Ops() as real:
         gemm(*low, out=acc, accumulate=True)
-    assert "aten._to_copy.default" in real.ops and acc.dtype == torch.float32
+    assert ("aten._to_copy.default" in real.ops) == (not takes.mm) and acc.dtype == torch.float32
     torch.testing.assert_close(acc, low[0].float() @ low[1].float())
+
+
+def _planned_gemm_ops():
+    low = torch.randn(64, 24).bfloat16(), torch.randn(24, 16).bfloat16()
     with FakeTensorMode() as fake:  # the memory planner's tensors: the GPU's GEMMs, no casts
-        fa, fb, facc = fake.from_tensor(low[0]), fake.from_tensor(low[1]), fake.from_tensor(acc)
+        fa, fb, facc = fake.from_tensor(low[0]), fake.from_tensor(low[1]), fake.from_tensor(torch.zeros(64, 16))
         with _Ops() as planned:
             first = gemm(fa, fb)
             gemm(fa, fb, out=facc, accumulate=True)
-    data_ops = [op for op in planned.ops if not op.startswith("prim.")]  # prim: metadata queries
-    assert first.dtype == torch.float32 and data_ops == ["aten.mm.dtype", "aten.addmm.dtype_out"]
+    assert first.dtype == torch.float32
+    return [op for op in planned.ops if not op.startswith("prim.")]  # prim: metadata queries
+
+
+@pytest.mark.skipif(not all(gemm_module._overloads()), reason="this torch has no GEMM with an fp32 output (>= 2.8)")
+def test_the_planner_plans_a_gpus_fp32_output_gemms(monkeypatch):
+    assert _planned_gemm_ops() == ["aten.mm.dtype", "aten.addmm.dtype_out"]
+    # a torch with mm's fp32 output but no fp32 accumulator for addmm: an fp32 product added
+    monkeypatch.setattr(gemm_module, "_overloads", lambda: gemm_module.Fp32Output(mm=True, addmm=False))
+    assert _planned_gemm_ops() == ["aten.mm.dtype", "aten.mm.dtype", "aten.add_.Tensor"]
 
 
 def test_gradients_reach_main_grad_without_rounding():
@@ -82,6 +98,7 @@ def test_gradients_reach_main_grad_without_rounding():
     flat = torch.randn(10, dtype=torch.float32)
     plain = deliver_grads(own, flat)  # no DDP: the gradient in the parameter's dtype
     assert [g.dtype for g in plain] == [torch.bfloat16] * 2
+    torch.testing.assert_close(torch.cat([g.reshape(-1) for g in plain]), flat.bfloat16())
     for p in own:
         p.main_grad = torch.ones(p.shape, dtype=torch.float32)
     deliver_grads(own, flat)

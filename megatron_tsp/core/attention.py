@@ -38,6 +38,7 @@ from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_e
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_config import TransformerConfig
+from torch._subclasses.fake_tensor import is_fake
 
 from megatron_tsp.core import comm, zigzag
 from megatron_tsp.core.block_attention import (
@@ -212,8 +213,8 @@ class TSPSelfAttention(SelfAttention):
             freqs = rotary_pos_emb[indices.local_positions]
         chunk = hidden_states.size(0) // 2 if d_size > 1 else hidden_states.size(0)
         backend = resolve_backend(self.attention_backend, hidden_states.device, hidden_states.dtype,
-                                  planned=_fake(hidden_states))
-        aligned = bottom_right(backend, hidden_states.device, hidden_states.dtype, planned=_fake(hidden_states))
+                                  planned=is_fake(hidden_states))
+        aligned = bottom_right(backend, hidden_states.device, hidden_states.dtype, planned=is_fake(hidden_states))
         blocks = zigzag_blocks(d_size, rank, chunk, aligned) if d_size > 1 else \
             [(0, chunk, 0, chunk, True)]
         starts = sorted({b[0] for b in blocks})
@@ -222,7 +223,7 @@ class TSPSelfAttention(SelfAttention):
         args = AttentionScheduleArgs(
             kv_group=self.tsp_group, weight_group=self.weight_group, split_heads=self.split_heads,
             rope=self.rope_tables(freqs, hidden_states.dtype), chunks=chunks, softmax_scale=self.softmax_scale,
-            backend=backend, hidden_size=self.config.hidden_size, head_dim=self.hidden_size_per_attention_head,
+            backend=backend, width=self.query_projection_size, head_dim=self.hidden_size_per_attention_head,
             kv_heads=self.num_query_groups_per_partition, has_bias=self.linear_qkv.bias is not None,
             overlap=self.overlap_comm, lookahead=self.lookahead,
             chain=self.chain, module=self)
@@ -230,19 +231,14 @@ class TSPSelfAttention(SelfAttention):
         return output, self.linear_proj.bias
 
 
-def _fake(t: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import is_fake
-
-    return is_fake(t)
-
-
 @dataclass(frozen=True)
 class AttentionScheduleArgs:
     """The arguments of :class:`StreamAttentionHeads`: the group K/V are gathered over and
-    the one weight shards are broadcast over; ``split_heads(qkv, rope) -> q, k, v`` for one
-    head group (q/k norms and RoPE: the layer's local stage) and its RoPE tables; this
-    rank's query chunks, each its rows and attention blocks (:func:`zigzag_blocks`; the
-    first needs only every rank's first chunk of K/V), scale and kernel; whether the QKV
+    the one weight shards are broadcast over; ``split_heads(qkv, rope, local=None) -> q, k,
+    v`` for one head group (q/k norms and RoPE: the layer's local stage; K and V written into
+    ``local``, the gather's send buffer, when given) and its RoPE tables; this rank's query
+    chunks, each its rows and attention blocks (:func:`zigzag_blocks`; the first needs only
+    every rank's first chunk of K/V), scale and kernel; the width of O; whether the QKV
     projection has a bias (a shard is then Wqkv, bqkv, Wproj); the overlap switch and
     lookahead; the model's layer chain and the module (:mod:`prefetch`)."""
 
@@ -253,7 +249,7 @@ class AttentionScheduleArgs:
     chunks: List[Tuple[slice, list]]
     softmax_scale: float
     backend: str
-    hidden_size: int
+    width: int  # of O, all heads: a * d (megatron's query_projection_size)
     head_dim: int
     kv_heads: int
     has_bias: bool
@@ -264,8 +260,8 @@ class AttentionScheduleArgs:
 
     def columns(self, r: int) -> slice:
         """Head group r's columns of the concatenated attention output O (and rows of
-        Wproj^T): its h/D input features of the output projection."""
-        width = self.hidden_size // self.kv_group.size()
+        Wproj^T): its a*d/D input features of the output projection."""
+        width = self.width // self.kv_group.size()
         return slice(r * width, (r + 1) * width)
 
 
@@ -296,8 +292,8 @@ class StreamAttentionHeads(torch.autograd.Function):
         n_shard = 3 if args.has_bias else 2
         own, replicated = params[:n_shard], params[n_shard:]
         d_size = args.kv_group.size()
-        out = x.new_empty(x.shape[:2] + (args.hidden_size,))  # O: head group r in columns(r)
-        proj = own[-1] if d_size == 1 else own[-1].new_empty(own[-1].size(0), args.hidden_size)
+        out = x.new_empty(x.shape[:2] + (args.width,))  # O: head group r in columns(r)
+        proj = own[-1] if d_size == 1 else own[-1].new_empty(own[-1].size(0), args.width)
         projections, lses = [None] * d_size, []
         with comm.InFlight() as inflight:
             stream = WeightBroadcast(own, args.weight_group, inflight, first=args.chain.take(args.module))
@@ -459,7 +455,7 @@ class HeadGroupGradients:
                   inflight: comm.InFlight) -> HeadGroupAttentionGrads:
         args = self.args
         flat = stream.grad_buffer()
-        cols = args.columns(r) if args.kv_group.size() > 1 else slice(None)
+        cols = args.columns(r)
         gemm_t(self.dy2d, self.out2d[:, cols], out=unpack(flat, self.saved.own)[-1])  # dWproj_r
         d_out = (self.dy @ shard[-1]).view(self.dy.shape[:2] + (-1, args.head_dim))
         out = self.saved.out[..., cols].view(d_out.shape)

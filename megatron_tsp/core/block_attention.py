@@ -18,7 +18,8 @@ each returning its output ``o_j`` and log-sum-exp ``l_j``, merged exactly as
 
     lse = log(sum_j exp(l_j)),      out = sum_j exp(l_j - lse) · o_j
 
-(summed in fp32 by two elementwise kernels, the second writing the rounded result).
+(per block ``exp(l_j - lse)`` in fp32, and the weighted outputs summed in fp32, the last
+product written rounded once into ``out``).
 
 Plain causal attention of a whole sequence is ``chunk_ids = [0]``; a zigzag rank r of D holds
 ``chunk_ids = [r, 2D-1-r]``. The op saves ``(q, k, v, out, lse)``; its backward calls each
@@ -89,8 +90,7 @@ def zigzag_blocks(size: int, rank: int, chunk: int, bottom_right: bool = False) 
     natural prefix of chunks 0..r (slots D..D+r): one bottom-right causal call (or a full
     block and a square causal one). Query chunk 2D-1-r sees its own chunk (slot r: a square
     causal block) and every chunk in slots r+1..2D-1, all of them earlier: one full block.
-    Diagonal first, so that a backward touches the keys of chunk 2D-1-r's blocks first
-    (the wider ones)."""
+    The caller groups the blocks by query chunk (TSP attends chunk by chunk)."""
     d, r, c = size, rank, chunk
     first, second = (0, c), (c, 2 * c)
     out = [(*second, r * c, (r + 1) * c, True), (*second, (r + 1) * c, 2 * d * c, False)]
@@ -548,25 +548,17 @@ def _backward(ctx, dout, _dlse):
 _block_attention.register_autograd(_backward, setup_context=_setup_context)
 
 
-def visible_pairs(chunk_ids: Sequence[int], chunk: int) -> int:
-    """(query, key) pairs a causal chunk sees: c·g·c keys before it plus c(c+1)/2 of its own
-    (the kernels' work, however the blocks are cut)."""
-    return sum(chunk * g * chunk + chunk * (chunk + 1) // 2 for g in chunk_ids)
-
-
 def _flops_of(q_shape, blocks_flat) -> int:
     b, h, _, d = q_shape
     return 2 * 2 * b * h * d * visible_pairs_of(_unflat(blocks_flat))  # QK^T and PV
 
 
-@register_flop_formula(torch.ops.megatron_tsp.block_attention)
 def _flops(q_shape, k_shape, v_shape, blocks_flat, *args, out_shape=None, **kwargs) -> int:
     return _flops_of(q_shape, blocks_flat)
 
 
-@register_flop_formula(torch.ops.megatron_tsp.block_attention_into)
-def _flops_into(q_shape, k_shape, v_shape, blocks_flat, *args, out_shape=None, **kwargs) -> int:
-    return _flops_of(q_shape, blocks_flat)
+for _op in (torch.ops.megatron_tsp.block_attention, torch.ops.megatron_tsp.block_attention_into):
+    register_flop_formula(_op)(_flops)  # each registration wraps the function it is given
 
 
 @register_flop_formula(torch.ops.megatron_tsp.block_attention_backward)
@@ -581,25 +573,17 @@ def _bhsd(*tensors):
     return tuple(t.permute(1, 2, 0, 3) for t in tensors)
 
 
-def kernel_blocks(chunk_ids: Sequence[int], chunk: int, backend: str, query: torch.Tensor) -> List[Block]:
-    """:func:`blocks` for the kernel ``backend`` resolves to for ``query``."""
-    name = resolve_backend(backend, query.device, query.dtype, planned=is_fake(query))
-    return blocks(chunk_ids, chunk, bottom_right(name, query.device, query.dtype, planned=is_fake(query)))
-
-
-def block_attention_forward(query, keys, values, chunk_ids: Sequence[int], scale: float, backend: str):
-    """Megatron layout: query ``[sq, b, hq, d]`` (its chunks at ``chunk_ids``), keys/values
-    ``[sk, b, hk, d]`` in global order, hq a multiple of hk. Returns ``out [sq, b, hq, d]``
-    and ``lse [b, hq, sq]`` (fp32); under autograd the op's own backward applies."""
-    q, k, v = _bhsd(query, keys, values)
-    chunk_blocks = kernel_blocks(chunk_ids, q.size(2) // len(chunk_ids), backend, query)
-    out, lse = _block_attention(q, k, v, _flat(chunk_blocks), float(scale), backend)
-    return out.permute(2, 0, 1, 3), lse
-
-
 def block_attention(query, keys, values, chunk_ids: Sequence[int], scale: float, backend: str) -> torch.Tensor:
-    """The attention output of :func:`block_attention_forward`, differentiable by autograd."""
-    return block_attention_forward(query, keys, values, chunk_ids, scale, backend)[0]
+    """Megatron layout: query ``[sq, b, hq, d]`` (its chunks at ``chunk_ids``), keys/values
+    ``[sk, b, hk, d]`` in global order, hq a multiple of hk. Returns ``out [sq, b, hq, d]``,
+    differentiable by the op's own backward (from the saved lse)."""
+    q, k, v = _bhsd(query, keys, values)
+    planned = is_fake(query)
+    aligned = bottom_right(resolve_backend(backend, query.device, query.dtype, planned=planned), query.device,
+                           query.dtype, planned=planned)
+    chunk_blocks = blocks(chunk_ids, q.size(2) // len(chunk_ids), aligned)
+    out, _ = _block_attention(q, k, v, _flat(chunk_blocks), float(scale), backend)
+    return out.permute(2, 0, 1, 3)
 
 
 def attend_into(query, keys, values, blocks_: Sequence[Block], scale: float, backend: str, out) -> torch.Tensor:
@@ -619,6 +603,8 @@ def attend_backward_into(d_out, query, keys, values, out, lse, blocks_: Sequence
     buffer). ``accumulate``: add to what other query chunks wrote there; ``zero_untouched``:
     zero the key rows no block touches (False: they are zero already, or another call
     writes them)."""
+    if zero_untouched and accumulate:
+        raise ValueError("attend_backward_into: zero_untouched would erase what accumulate adds to")
     do, q, k, v, o, dq, dk, dv = _bhsd(d_out, query, keys, values, out, d_query, d_keys, d_values)
     _block_attention_backward(do, q, k, v, o, lse, _flat(blocks_), float(scale), backend, dq, dk, dv,
                               zero_untouched, accumulate)

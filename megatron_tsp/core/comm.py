@@ -66,6 +66,7 @@ class InFlight:
 
     def __init__(self) -> None:
         self._handles: List[dist.Work] = []
+        self._done: List[dist.Work] = []
 
     def add(self, handle: Handle) -> Handle:
         for work in _works(handle):
@@ -73,11 +74,15 @@ class InFlight:
         return handle
 
     def wait(self, handle: Handle) -> None:
-        """Wait for ``handle`` (a second wait of the same transfer returns at once)."""
+        """Wait for ``handle`` (a second wait of the same transfer returns at once; one this
+        schedule never started is an error, not a read before arrival)."""
         for work in _works(handle):
             if work in self._handles:
                 work.wait()
                 self._handles.remove(work)
+                self._done.append(work)
+            elif work not in self._done:
+                raise RuntimeError("InFlight.wait: a transfer that was never added to this schedule")
 
     def __enter__(self) -> "InFlight":
         return self
@@ -98,9 +103,16 @@ def _works(handle: Handle) -> List[dist.Work]:
     return list(handle) if isinstance(handle, (list, tuple)) else [handle]
 
 
-def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup, inflight: InFlight) -> dist.Work:
+def _started(handle: Handle, inflight: Optional[InFlight]) -> Handle:
+    """Registered with ``inflight`` when given; else the caller registers it where it is waited."""
+    return handle if inflight is None else inflight.add(handle)
+
+
+def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup, inflight: Optional[InFlight] = None
+              ) -> dist.Work:
     """Start: ``tensor`` on every rank := ``tensor`` on group rank ``src``."""
-    return inflight.add(dist.broadcast(tensor, src=dist.get_global_rank(group, src), group=group, async_op=True))
+    return _started(dist.broadcast(tensor, src=dist.get_global_rank(group, src), group=group, async_op=True),
+                    inflight)
 
 
 def all_gather(output: torch.Tensor, local: torch.Tensor, group: dist.ProcessGroup,
@@ -115,19 +127,20 @@ def reduce_scatter(output: torch.Tensor, full: torch.Tensor, group: dist.Process
     return inflight.add(_reduce_scatter_single()(output, full, group=group, async_op=True))
 
 
-def reduce(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup, inflight: InFlight) -> dist.Work:
+def reduce(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup, inflight: Optional[InFlight] = None
+           ) -> dist.Work:
     """Start: ``tensor`` on group rank ``dst`` := sum over ranks of ``tensor``."""
-    return inflight.add(dist.reduce(tensor, dst=dist.get_global_rank(group, dst), group=group, async_op=True))
+    return _started(dist.reduce(tensor, dst=dist.get_global_rank(group, dst), group=group, async_op=True), inflight)
 
 
 def send_recv(sends: Sequence[Tuple[torch.Tensor, int]], recvs: Sequence[Tuple[torch.Tensor, int]],
-              group: dist.ProcessGroup, inflight: InFlight) -> List[dist.Work]:
+              group: dist.ProcessGroup, inflight: Optional[InFlight] = None) -> List[dist.Work]:
     """Start point-to-point sends and receives (group ranks) together."""
     if not sends and not recvs:
         return []
     ops = [dist.P2POp(dist.isend, t, dist.get_global_rank(group, peer), group) for t, peer in sends]
     ops += [dist.P2POp(dist.irecv, t, dist.get_global_rank(group, peer), group) for t, peer in recvs]
-    return inflight.add(dist.batch_isend_irecv(ops))
+    return _started(dist.batch_isend_irecv(ops), inflight)
 
 
 # torch >= 2.13 renamed the tensor-in/tensor-out collectives; older releases have only the

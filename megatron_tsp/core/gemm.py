@@ -12,36 +12,64 @@ its fp32 accumulator to ``out`` (beta = 1) and nothing is rounded:
 
 On a GPU with bf16/fp16 inputs these are ``mm(..., out_dtype=float32)`` and
 ``addmm(c, a, b, out_dtype=float32, out=c)`` (torch >= 2.8; an fp32 ``c`` on CUDA since
-PyTorch PR #167931): whether the running torch takes them on a device is tried once per
-device type, on two 1x1 matrices, not read from its version. Fake tensors (the memory
-planner) stand for a GPU's and take the GPU's path. Elsewhere (the CPU, a torch without
-them) both inputs are cast to fp32 first: the same sums, at the cost of the casts.
+PyTorch PR #167931). Whether the running torch computes each on a device is tried once per
+device type and dtype, on 1x1 matrices, not read from its version: a torch with the first
+and not the second adds an fp32 product into ``c`` (one more pass over ``c``, nothing
+rounded); one with neither casts both inputs to fp32 first (the same sums, at the cost of the
+casts and an fp32 GEMM: on a GPU, said once). The CPU takes the casts. Fake tensors (the
+memory planner) stand for a GPU's and take the GPU's path where this torch has the overloads.
 """
 
 from __future__ import annotations
 
-from typing import Dict, Optional
+import functools
+import warnings
+from typing import Dict, NamedTuple, Optional, Tuple
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-_FP32_OUTPUT: Dict[str, bool] = {}  # device type -> whether mm/addmm with out_dtype=float32 run there
+
+class Fp32Output(NamedTuple):
+    """What this torch computes with an fp32 output for low-precision inputs on a device."""
+
+    mm: bool  # mm(a, b, out_dtype=float32)
+    addmm: bool  # addmm(c, a, b, out_dtype=float32, out=c) with an fp32 c
 
 
-def fp32_output_gemm(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether this torch computes a ``dtype`` GEMM with an fp32 output (and fp32 accumulator
-    input) on ``device``'s type, tried once per device type."""
-    if device.type not in _FP32_OUTPUT:
-        try:
-            a = torch.ones(1, 1, dtype=dtype, device=device)
-            c = torch.zeros(1, 1, dtype=torch.float32, device=device)
-            torch.mm(a, a, out_dtype=torch.float32, out=c)
-            torch.addmm(c, a, a, out_dtype=torch.float32, out=c)
-            ok = bool(c.item() == 2.0)
-        except (RuntimeError, TypeError, NotImplementedError):  # no such overload, or no kernel here
-            ok = False
-        _FP32_OUTPUT[device.type] = ok
-    return _FP32_OUTPUT[device.type]
+_TRIED: Dict[Tuple[str, torch.dtype], Fp32Output] = {}
+
+
+@functools.cache
+def _overloads() -> Fp32Output:
+    return Fp32Output("dtype_out" in torch.ops.aten.mm.overloads(), "dtype_out" in torch.ops.aten.addmm.overloads())
+
+
+def _gives_two(op) -> bool:
+    try:
+        return bool(op().item() == 2.0)
+    except (RuntimeError, TypeError, NotImplementedError):  # no such overload, or no kernel here
+        return False
+
+
+def fp32_output_gemm(device: torch.device, dtype: torch.dtype) -> Fp32Output:
+    """Which of the fp32-output GEMMs this torch computes for ``dtype`` inputs on ``device``'s
+    type, tried once per device type and dtype on 1x1 ones (1 * 1 + 1)."""
+    key = (device.type, dtype)
+    if key not in _TRIED:
+        one = torch.ones(1, 1, dtype=dtype, device=device)
+
+        def add_into_fp32():
+            acc = torch.ones(1, 1, dtype=torch.float32, device=device)
+            return torch.addmm(acc, one, one, out_dtype=torch.float32, out=acc)
+
+        found = Fp32Output(_gives_two(lambda: torch.mm(one, one, out_dtype=torch.float32) + 1),
+                           _gives_two(add_into_fp32))
+        if device.type != "cpu" and not found.mm:
+            warnings.warn(f"this torch has no {dtype} GEMM with an fp32 output on {device.type}: TSP's sums cast "
+                          "their inputs to fp32 and run fp32 GEMMs (slow); torch >= 2.8 has them", stacklevel=2)
+        _TRIED[key] = found
+    return _TRIED[key]
 
 
 def gemm(a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None, accumulate: bool = False
@@ -50,9 +78,14 @@ def gemm(a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None, a
     it with ``accumulate``. Returns the fp32 result (``out`` itself when given)."""
     if accumulate and out is None:
         raise ValueError("gemm: accumulate needs an out tensor")
-    if a.dtype != torch.float32 and (is_fake(a) or fp32_output_gemm(a.device, a.dtype)):
+    takes = Fp32Output(False, False)
+    if a.dtype != torch.float32:
+        takes = _overloads() if is_fake(a) else fp32_output_gemm(a.device, a.dtype)
+    if accumulate and takes.addmm:
+        return torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
+    if takes.mm:
         if accumulate:
-            return torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
+            return out.add_(torch.mm(a, b, out_dtype=torch.float32))
         if out is None:
             return torch.mm(a, b, out_dtype=torch.float32)
         return torch.mm(a, b, out_dtype=torch.float32, out=out)

@@ -78,19 +78,17 @@ class ScatterKVGrads:
         self.local = full.new_empty((2 * self.c,) + tuple(full.shape[1:]))
         self.handles = []
 
-    def post_second_halves(self) -> "ScatterKVGrads":
+    def post_second_halves(self) -> None:
         d, c = self.d, self.c
         self.handles.append(comm.reduce_scatter(self.local[c:], self.full[: d * c], self.group, self.inflight))
-        return self
 
-    def post_first_halves(self) -> "ScatterKVGrads":
+    def post_first_halves(self) -> None:
         d, c = self.d, self.c
         self.handles.append(comm.reduce_scatter(self.local[:c], self.full[d * c :], self.group, self.inflight))
-        return self
 
     def wait(self) -> Tuple[torch.Tensor, torch.Tensor]:
         self.inflight.wait(self.handles)
-        self.full = None  # alive until the collectives have read it
+        self.full = None  # read by the collectives, now done (the caller may still hold the buffer)
         return self.local[:, 0], self.local[:, 1]
 
 

@@ -17,7 +17,10 @@ rank, so every rank posts the same collectives in the same order):
   recomputed (its forward runs again first), else MLP(l-1).
 
 A transfer taken by another module than the one it was posted for (a schedule this does not
-foresee) is waited for and dropped: it costs its bytes, never correctness.
+foresee) is waited for and dropped: it costs its bytes, never correctness. A posted shard is
+the next module's parameters as they are when posted: with megatron's
+``--overlap-param-gather`` their gather would have to be finished by then, which nothing
+arranges: the support matrix refuses that flag (``core/support.py``).
 """
 
 from __future__ import annotations

@@ -19,9 +19,10 @@ ring-flash-attention's ``RingComm`` does:
   ``own_grad()``.
 
 The first transfer of a layer's stream may already be in flight when the layer starts: the
-layer before it started it during its last stage (:mod:`megatron_tsp.core.prefetch`). Each
-stream holds at most ``lookahead + 1`` shards of a layer (the one in use and those in flight;
-docs/design.md section 5).
+layer before it started it during its last stage (:mod:`megatron_tsp.core.prefetch`). A
+stream holds the shards in flight (``lookahead + 1`` ahead of the one in use) and the one in
+use; the attention backward also keeps the previous head group's until its weight
+gradients, which wait for its dK/dV, are formed (docs/design.md section 9).
 """
 
 from __future__ import annotations
@@ -107,10 +108,7 @@ class WeightBroadcast:
             buf = pack(own)
         else:
             buf = torch.empty(numel(own), dtype=own[0].dtype, device=own[0].device)
-        work = dist.broadcast(buf, src=dist.get_global_rank(group, r), group=group, async_op=True)
-        if inflight is not None:
-            inflight.add(work)
-        return buf, work
+        return buf, comm.broadcast(buf, r, group, inflight)
 
     def start(self, r: int) -> None:
         if self.size > 1 and r < self.size and r not in self._arriving:
@@ -135,8 +133,7 @@ class WeightBroadcast:
         if self.size == 1:
             self._own_grad = flat
             return
-        work = dist.reduce(flat, dst=dist.get_global_rank(self.group, r), group=self.group, async_op=True)
-        self._reducing.append((r, flat, self.inflight.add(work)))
+        self._reducing.append((r, flat, comm.reduce(flat, r, self.group, self.inflight)))
         self._drain(keep=1)
 
     def _drain(self, keep: int) -> None:
@@ -189,10 +186,7 @@ class WeightRing:
         buffer, the work)."""
         current = pack(own) if current is None else current
         incoming = torch.empty_like(current)
-        works = _exchange(group, [(current, 1)], [(incoming, -1)])
-        if inflight is not None:
-            inflight.add(works)
-        return current, incoming, works
+        return current, incoming, _exchange(group, [(current, 1)], [(incoming, -1)], inflight)
 
     def shard_index(self, t: int) -> int:
         return (self.rank - t) % self.size
@@ -217,7 +211,7 @@ class WeightRing:
             if t >= 2 or t == self.size:  # t == size: the last hop, to the owners
                 acc_in = torch.empty(numel(self.own), dtype=torch.float32, device=self.current.device)
                 recvs.append((acc_in, -1))
-        works = self.inflight.add(_exchange(self.group, sends, recvs))
+        works = _exchange(self.group, sends, recvs, self.inflight)
         if incoming is not None:
             self._incoming = (incoming, works)
         if acc_in is not None:
@@ -264,9 +258,8 @@ class WeightRing:
         return self._own_grad
 
 
-def _exchange(group: dist.ProcessGroup, sends, recvs) -> List[dist.Work]:
-    """Post point-to-point sends and receives with ring neighbours (offsets +1/-1 in the
-    group); the caller registers the works."""
+def _exchange(group: dist.ProcessGroup, sends, recvs, inflight: Optional[comm.InFlight]) -> List[dist.Work]:
+    """Post point-to-point sends and receives with ring neighbours (offsets +1/-1 in the group)."""
     size, rank = group.size(), group.rank()
     return comm.send_recv([(t, (rank + k) % size) for t, k in sends], [(t, (rank + k) % size) for t, k in recvs],
-                          group, comm.InFlight())
+                          group, inflight)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Dict, Iterator, List, Optional
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -299,21 +299,32 @@ def _step(args, mode: Mode, tracker, attention_backend, device: Device, fake: bo
     return static, flops, records
 
 
-def bytes_by_op_per_layer(values: Dict, mode: str, cp: int = DEFAULT_CP, fused_norm: bool = True) -> Dict:
-    """Memory-bound bytes one layer adds to a step, op by op (the 2-layer minus the 1-layer
-    plan, a GPU's kernels), on the slowest of the first and the last rank of a model-parallel
-    group (TSP's ranks do different attention work around the same FLOPs):
-    ``{"rank", "total_gb", "by_op_gb"}``, largest first."""
+def first_and_last_rank_plans(values: Dict, mode: str, world_size: Optional[int] = None, cp: int = DEFAULT_CP,
+                              fused_norm: bool = True) -> Dict[int, Tuple[Dict, Dict]]:
+    """``{rank: (plan at 1 layer, plan at 2 layers)}`` with a GPU's kernels, for the first and
+    the last rank of a model-parallel group: TSP's ranks do different attention work around
+    the same FLOPs (blocks, merges, key rows no block touches), and these two bound it."""
     last = ParallelSizes.of(get_mode(mode).values(values, cp)).within_a_stage - 1
-    per_rank = []
-    for rank in sorted({0, last}):
-        plans = [plan(dict(copy.deepcopy(values), num_layers=n), mode, cp=cp, attention_backend="gpu",
-                      fused_norm=fused_norm, rank=rank)["memory_bytes_by_op"] for n in (1, 2)]
-        diff = {op: plans[1].get(op, 0) - plans[0].get(op, 0) for op in set(plans[0]) | set(plans[1])}
-        per_rank.append((sum(diff.values()), rank, diff))
-    total, rank, diff = max(per_rank)
+    return {rank: tuple(plan(dict(copy.deepcopy(values), num_layers=n), mode, world_size, cp,
+                             attention_backend="gpu", fused_norm=fused_norm, rank=rank) for n in (1, 2))
+            for rank in sorted({0, last})}
+
+
+def slowest_rank(plans: Dict[int, Tuple[Dict, Dict]]) -> int:
+    """The rank whose layer moves the most memory-bound bytes (the first on a tie)."""
+    return max(plans, key=lambda r: (plans[r][1]["memory_bytes_per_rank"] - plans[r][0]["memory_bytes_per_rank"], -r))
+
+
+def bytes_by_op_per_layer(values: Dict, mode: str, world_size: Optional[int] = None, cp: int = DEFAULT_CP,
+                          fused_norm: bool = True) -> Dict:
+    """Memory-bound bytes one layer adds to a step, op by op (the 2-layer minus the 1-layer
+    plan) on the slowest rank: ``{"rank", "total_gb", "by_op_gb"}``, largest first."""
+    plans = first_and_last_rank_plans(values, mode, world_size, cp, fused_norm)
+    rank = slowest_rank(plans)
+    one, two = (p["memory_bytes_by_op"] for p in plans[rank])
+    diff = {op: two.get(op, 0) - one.get(op, 0) for op in set(one) | set(two)}
     by_op = {op: b / 1e9 for op, b in sorted(diff.items(), key=lambda kv: -kv[1]) if abs(b) >= 1e6}
-    return {"rank": rank, "total_gb": total / 1e9, "by_op_gb": by_op}
+    return {"rank": rank, "total_gb": sum(diff.values()) / 1e9, "by_op_gb": by_op}
 
 
 def bytes_by_op_table(result: Dict, rows: int = 20) -> str:
@@ -338,7 +349,7 @@ def plan_modes(config_path: str, modes: List[str], world_size: Optional[int] = N
                for name in modes}
     if by_op:
         for name, r in results.items():
-            r["bytes_by_op"] = bytes_by_op_per_layer(values, name, cp, fused_norm)
+            r["bytes_by_op"] = bytes_by_op_per_layer(values, name, world_size, cp, fused_norm)
     if per_layer:
         for name, r in results.items():
             args = get_mode(name).args(values, cp)

@@ -43,7 +43,7 @@ import json
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
-from megatron_tsp.core.sizes import DEFAULT_CP, ParallelSizes
+from megatron_tsp.core.sizes import DEFAULT_CP
 from megatron_tsp.env import run_record
 from megatron_tsp.measure import memory
 from megatron_tsp.run import config as cfg
@@ -119,7 +119,12 @@ def load_hardware(path: str) -> Hardware:
             if not isinstance(value, dict):
                 raise cfg.ConfigError(f"{path}: '{key}' must be a mapping (megatron-tsp calibrate writes it)")
             continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        number = not isinstance(value, bool) and isinstance(value, (int, float))
+        if key == "te_tp_overlap_hidden":  # 0 allowed: TransformerEngine hides nothing
+            if not number or not 0 <= value <= 1:
+                raise cfg.ConfigError(f"{path}: '{key}' is a fraction in [0, 1] (got {value!r}; 0.7 means 70%)")
+            continue
+        if not number or not 0 < value < float("inf"):
             raise cfg.ConfigError(f"{path}: '{key}' must be a positive number (got {value!r})")
         if key in _FRACTIONS and not value <= 1:
             raise cfg.ConfigError(f"{path}: '{key}' is a fraction in (0, 1] (got {value!r}; 0.7 means 70%)")
@@ -157,24 +162,14 @@ def layer_counts(values: Dict, mode: str, world_size: Optional[int] = None, cp: 
 
 
 def _layer_counts(values: Dict, mode: str, world_size: Optional[int], cp: int, fused_norm: bool) -> Dict:
-    def counts(layers, rank):
-        v = dict(values, num_layers=layers)
-        plan = memory.plan(copy.deepcopy(v), mode, world_size, cp, attention_backend="gpu", fused_norm=fused_norm,
-                           rank=rank)
-        return {"flops": plan["flops_per_rank"], "attention_flops": plan["attention_flops_per_rank"],
-                "memory_bytes": plan["memory_bytes_per_rank"], "by_phase": plan["by_phase"],
-                "comm": plan["comm"], "peak_gib": plan["peak_gib"], "parallel": plan["parallel"]}
-
-    def slowest(layers):
-        # ranks do different attention work around the same FLOPs (blocks, merges, untouched
-        # key rows): the first and the last rank of a model-parallel group bound it
-        last = ParallelSizes.of(get_mode(mode).values(values, cp)).within_a_stage - 1
-        plans = [counts(layers, 0)] + ([counts(layers, last)] if last > 0 else [])
-        worst = max(plans, key=lambda c: c["memory_bytes"])
-        return dict(worst, peak_gib=max(c["peak_gib"] for c in plans))
-
+    """Counts of the slowest rank; its peak is the larger of the first and the last rank's."""
+    plans = memory.first_and_last_rank_plans(values, mode, world_size, cp, fused_norm)
+    one, two = ({"flops": p["flops_per_rank"], "attention_flops": p["attention_flops_per_rank"],
+                 "memory_bytes": p["memory_bytes_per_rank"], "by_phase": p["by_phase"], "comm": p["comm"],
+                 "parallel": p["parallel"]} for p in plans[memory.slowest_rank(plans)])
+    for n, counts in enumerate((one, two)):
+        counts["peak_gib"] = max(p[n]["peak_gib"] for p in plans.values())
     keys = ("flops", "attention_flops", "memory_bytes", "by_phase", "comm", "peak_gib")
-    one, two = slowest(1), slowest(2)
     per_layer = _sub({k: two[k] for k in keys}, {k: one[k] for k in keys})
     base = _sub({k: one[k] for k in keys}, per_layer)
     return {"base": base, "per_layer": per_layer, "parallel": one["parallel"]}
