@@ -28,3 +28,13 @@ def test_configs_read_the_same_rows():
     with pytest.raises(config.ConfigError) as exc:
         config.resolve(dict(mock_data=True, vocab_size=256, tsp_size=2, attention_dropout=0.1))
     assert str(exc.value) == rule.message(0.1, 2, "'attention_dropout' (--attention-dropout)")
+
+
+@pytest.mark.parametrize("layout", [dict(tsp_size=2), dict(tensor_model_parallel_size=2, sequence_parallel=True,
+                                                         ring_mlp=True)], ids=["tsp", "ring-mlp"])
+def test_overlap_param_gather_is_refused_where_layers_skip_megatrons_pre_hooks(layout):
+    with pytest.raises(config.ConfigError, match=r"'overlap_param_gather' \(--overlap-param-gather\) cannot be used"):
+        config.resolve(dict(mock_data=True, vocab_size=256, attention_dropout=0.0, overlap_param_gather=True,
+                            use_distributed_optimizer=True, **layout))
+    config.resolve(dict(mock_data=True, vocab_size=256, overlap_param_gather=True, use_distributed_optimizer=True,
+                        tensor_model_parallel_size=2, sequence_parallel=True))  # stock TP+SP runs its hooks

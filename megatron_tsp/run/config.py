@@ -321,6 +321,10 @@ def check_combinations(ns: argparse.Namespace) -> None:
     tsp_settings = {rule.flag: getattr(ns, rule.key) for rule in RULES if rule.key in ARGUMENTS}
     for message in violations(tsp_settings, layout.tsp, name=lambda rule: _named(rule.key)):
         raise ConfigError(message)
+    if ns.ring_mlp and layout.tsp == 1:  # the ring's rows, as Megatron-LM's --ring-mlp reads them
+        for message in violations(tsp_settings, layout.tp, ("all", "mlp"), name=lambda rule: _named(rule.key),
+                                  under="--ring-mlp"):
+            raise ConfigError(message)
     tp = layout.tp  # megatron's own tensor-parallel constraints (TSP's are the rules above)
     checks = [
         (ns.num_attention_heads % tp == 0, "num_attention_heads", "must be divisible by tensor_model_parallel_size"),
