@@ -513,19 +513,28 @@ def _gpu_check_parser(sub, common) -> None:
     p.add_argument("--steps", type=POSITIVE_INT, default=2, help="timed steps per mode (after one warm-up)")
     p.add_argument("--budget-s", type=POSITIVE_FLOAT, default=420.0,
                    help="time budget: what does not fit is recorded as skipped")
+    p.add_argument("--parts", type=_name_list, default="gemm,backends,modes",
+                   help="comma-separated parts to run: gemm, backends, modes")
     p.add_argument("--out", default="bench/results/gpu-check.json", help="results file (JSON)")
     _config_flags(p, ["num_layers", "seq_length", "max_position_embeddings", "micro_batch_size"])
     p.set_defaults(func=_cmd_gpu_check)
 
 
 def _cmd_gpu_check(ns: argparse.Namespace) -> int:
+    from megatron_tsp.device import Device
     from megatron_tsp.measure import gpucheck
     from megatron_tsp.run import config
 
     path = ns.config or os.path.join(CONFIGS, "7b", "128k-tsp8.yaml")
+    if ns.config is None and not Device.from_launch().is_gpu:
+        raise UserError("gpu-check: no GPU here, and its default 7B/128K job would run for hours on the CPU; "
+                        "run it on a GPU, or rehearse with --config configs/tiny-cpu.yaml")
     config.resolve(dict(config.load_config(path), **config.overrides(ns)))  # one line for a bad config, now
     _write(ns.out, "", "--out")  # and for an output that cannot be written, before any work
-    result = gpucheck.run(ns.out, path, ns.modes, ns.steps, config.overrides(ns), ns.budget_s)
+    unknown = sorted(set(ns.parts) - set(gpucheck.PARTS))
+    if unknown:
+        raise UserError(f"--parts: unknown part {unknown[0]!r}; choose from {', '.join(gpucheck.PARTS)}")
+    result = gpucheck.run(ns.out, path, ns.modes, ns.steps, config.overrides(ns), ns.budget_s, parts=ns.parts)
     print(gpucheck.summary(result))
     print("wrote", ns.out)
     return 0

@@ -1,17 +1,27 @@
 #!/usr/bin/env bash
-# One-GPU check (about 3 minutes on an H100/H200/MI300X, within a budget of 7): every
-# attention backend against the math reference and timed at 8K-128K, then rank 0 of the D=8
-# 7B/128K job per mode (8 layers) with the fake process-group backend: peak memory against
-# the planner and per-rank compute time of TSP against TP+SP. Results are written as they
-# come, into bench/results/gpu-check-<gpu>.json (or OUT.json).
-#   scripts/gpu_check.sh [OUT.json] [megatron-tsp gpu-check flags, e.g. --num-layers 4]
-# Needs python3 with torch (CUDA or ROCm build) and megatron-core 0.16.x importable; installs
-# nothing. On a machine that cannot download, install megatron-core's wheel first (README).
-set -euo pipefail
+# One-GPU check (about 6 minutes on an H100/H200/MI300X, within a budget of 8):
+#  1. fp32-accumulating GEMMs, every attention backend against the math reference and timed at
+#     8K-128K, then rank 0 of the D=8 7B/128K job (full recompute) per mode, 8 layers, with the
+#     fake process-group backend: peak memory against the planner, compute time, TFLOP/s;
+#  2. the same rank without recompute, TSP against TP+SP;
+#  3. a D=1 training run of the tiny config in bf16 on this GPU, through `megatron-tsp train`.
+# Results are written as they come: OUT.json (default bench/results/gpu-check-<gpu>.json),
+# OUT-norecompute.json and OUT-train-d1.log.
+#   scripts/gpu_check.sh [OUT.json] [megatron-tsp gpu-check flags for part 1, e.g. --budget-s 200]
+# Needs python3 with torch (CUDA or ROCm build) and megatron-core 0.16.x or 0.19.x importable;
+# installs nothing. On a machine that cannot download, install megatron-core's wheel first (README).
+set -uo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-python3}
 gpu=$("$py" -c "import torch; print(torch.cuda.get_device_name(0).replace(' ', '-') if torch.cuda.is_available() else 'cpu')")
 out=${1:-bench/results/gpu-check-$gpu.json}
 shift || true
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-timeout 470 "$py" -m megatron_tsp.cli gpu-check --out "$out" --num-layers 8 "$@"
+status=0
+timeout 330 "$py" -m megatron_tsp.cli gpu-check --out "$out" --num-layers 8 --budget-s 280 "$@" || status=1
+timeout 110 "$py" -m megatron_tsp.cli gpu-check --config configs/7b/128k-tsp8-norecompute.yaml --parts modes \
+  --modes tsp,tp-sp --num-layers 8 --budget-s 60 --out "${out%.json}-norecompute.json" || status=1
+timeout 60 "$py" -m megatron_tsp.cli train configs/tiny-cpu.yaml --tsp-size 1 --nproc 1 --train-iters 20 --bf16 \
+  --log-json "${out%.json}-train-d1.jsonl" > "${out%.json}-train-d1.log" 2>&1 || status=1
+tail -3 "${out%.json}-train-d1.log"
+exit $status

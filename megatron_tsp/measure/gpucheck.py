@@ -1,8 +1,12 @@
 """One-GPU check (``megatron-tsp gpu-check``, ``scripts/gpu_check.sh``): what one GPU shows.
 
-Two parts, each written to the results file as soon as it is done (a run cut short keeps
+Three parts, each written to the results file as soon as it is done (a run cut short keeps
 what it measured), within a time budget:
 
+0. **fp32-accumulating GEMMs** (:mod:`megatron_tsp.core.gemm`): which of ``mm`` and
+   ``addmm`` with an fp32 output this torch computes, and, for 8 accumulated bf16 partial
+   products of a TSP MLP's shape, the error against fp64 and the time of the path TSP takes
+   against a bf16 GEMM per partial summed afterwards in fp32.
 1. **Attention backends.** Every backend this GPU runs (``flash``, ``cudnn``, ``efficient``,
    ``flash_attn`` where installed) through the block attention op, forward and backward:
    correctness against ``math`` in the real layout (micro-batch 2, GQA, a zigzag rank's
@@ -12,8 +16,10 @@ what it measured), within a time budget:
 2. **One rank of a D=8 job per mode**, with torch's ``fake`` process group (every kernel
    real, collectives no-ops) at a layer count that fits the budget: peak
    ``torch.cuda.max_memory_allocated`` against the memory planner's plan of the same rank
-   on the same device, and compute seconds per step (TSP against TP+SP). Models are freed
-   between modes, so that each peak is its own.
+   on the same device, peak reserved memory, compute seconds per step (TSP against TP+SP),
+   tokens/s and achieved TFLOP/s of that compute, and the attention kernel ``auto`` chose.
+   Models are freed between modes, so that each peak is its own, and a mode that fails
+   (out of memory, say) is recorded as such while the next one runs.
 
 On a machine without a GPU part 1 is skipped and part 2 runs the CPU path (the script's
 logic, tested in the suite).
@@ -32,6 +38,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from megatron_tsp.core import block_attention as ops
+from megatron_tsp.core import gemm as gemms
 from megatron_tsp.core.parallel_state import destroy_model_parallel
 from megatron_tsp.device import Device
 from megatron_tsp.env import run_record
@@ -73,6 +80,48 @@ def _fwd_bwd(backend: str, q, k, v, dout, chunk_ids, scale: float):
     out = ops.block_attention(q, k, v, chunk_ids, scale, backend)
     grads = torch.autograd.grad(out, (q, k, v), dout)
     return out, grads
+
+
+def check_gemms(device: Device, save: Callable[[], None], result: Dict) -> None:
+    """Which fp32-output GEMMs this torch computes; on a GPU, :func:`_accumulated_products`."""
+    part = result.setdefault("gemm", {})
+    for dtype in (torch.bfloat16, torch.float16):
+        part[f"fp32_output_{str(dtype).split('.')[-1]}"] = gemms.fp32_output_gemm(device.torch, dtype)._asdict()
+    save()
+    if device.is_gpu:
+        part.update(_accumulated_products(device))
+        torch.cuda.empty_cache()
+        save()
+
+
+def _accumulated_products(device: Device, stages: int = 8, shape=(8192, 4096, 4096)) -> Dict:
+    """``stages`` partial products ``a_i @ b_i`` ([m, k] @ [k, n], bf16) summed into one fp32
+    output: by :func:`gemm.gemm` (what TSP runs) and by a bf16 GEMM per partial added in fp32
+    (what it ran before), each against fp64 and timed."""
+    m, k, n = shape
+    g = torch.Generator().manual_seed(0)
+    a = [torch.randn(m, k, generator=g).to(device.torch, torch.bfloat16) for _ in range(stages)]
+    b = [torch.randn(k, n, generator=g).to(device.torch, torch.bfloat16) for _ in range(stages)]
+    ref = sum(x.double() @ y.double() for x, y in zip(a, b))
+    acc = torch.empty(m, n, device=device.torch, dtype=torch.float32)
+
+    def inside():
+        for i, (x, y) in enumerate(zip(a, b)):
+            gemms.gemm(x, y, out=acc, accumulate=i > 0)
+        return acc
+
+    def after():
+        acc.zero_()
+        for x, y in zip(a, b):
+            acc.add_(x @ y)
+        return acc
+
+    found: Dict = {"shape": {"m": m, "k": k, "n": n, "stages": stages}}
+    for name, fn in (("accumulate_in_gemm", inside), ("bf16_gemm_then_fp32_add", after)):
+        seconds = _timed(fn, device)
+        found[name] = {"max_rel_err_vs_fp64": float((fn().double() - ref).abs().max() / ref.abs().max()),
+                       "ms": 1e3 * seconds, "tflops": 2 * m * k * n * stages / seconds / 1e12}
+    return found
 
 
 def check_backends(device: Device, seqs, budget_end: float, save: Callable[[], None], result: Dict) -> None:
@@ -121,6 +170,33 @@ def check_backends(device: Device, seqs, budget_end: float, save: Callable[[], N
         save()
 
 
+def _dtype(args) -> torch.dtype:
+    return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+
+
+def _measure_mode(args, mode: str, steps: int, device: Device, entry: Dict) -> None:
+    with memory.fake_world(cfg.sizes(args).world_size):
+        initialize(args, device, create_gloo_process_groups=False)
+        step = stepper(args, device, get_mode(mode), clip_grad=0.0, use_gloo_process_groups=False,
+                       transformer_engine=False)
+        step()  # warm-up; also creates Adam's moments
+        device.synchronize()
+        device.reset_peak_memory()
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            step()
+            device.synchronize()
+            times.append(time.perf_counter() - t0)
+    seconds = statistics.median(times)
+    tokens = args.seq_length * args.global_batch_size
+    entry.update(step_s=times, compute_s_median=seconds, tokens_per_s=tokens / seconds,
+                 achieved_tflops=entry["flops_per_rank"] / seconds / 1e12)
+    if device.is_gpu:
+        entry.update(measured_peak_gib=device.peak_memory_gib(),
+                     measured_peak_reserved_gib=torch.cuda.max_memory_reserved() / 2 ** 30)
+
+
 def check_modes(values: Dict, modes: List[str], steps: int, device: Device, budget_end: float,
                 save: Callable[[], None], result: Dict) -> None:
     part = result.setdefault("modes", {})
@@ -129,50 +205,41 @@ def check_modes(values: Dict, modes: List[str], steps: int, device: Device, budg
             part[mode] = {"skipped": "time budget"}
             save()
             continue
-        planned = memory.plan(dict(values), mode, device=device)
-        args = get_mode(mode).args(values)
-        entry = part[mode] = {"parallel": planned["parallel"], "planned_peak_gib": planned["peak_gib"],
-                              "planned_by_category_gib": planned["by_category_gib"],
-                              "flops_per_rank": planned["flops_per_rank"]}
-        with memory.fake_world(cfg.sizes(args).world_size):
-            initialize(args, device, create_gloo_process_groups=False)
-            try:
-                step = stepper(args, device, get_mode(mode), clip_grad=0.0, use_gloo_process_groups=False,
-                               transformer_engine=False)
-                step()  # warm-up; also creates Adam's moments
-                device.synchronize()
-                device.reset_peak_memory()
-                times = []
-                for _ in range(steps):
-                    t0 = time.perf_counter()
-                    step()
-                    device.synchronize()
-                    times.append(time.perf_counter() - t0)
-                entry.update(measured_peak_gib=device.peak_memory_gib() if device.is_gpu else None, step_s=times,
-                             compute_s_median=statistics.median(times))
-            except Exception as exc:  # noqa: BLE001 - out of memory, say: a result, and the next mode runs
-                entry["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-            finally:
-                step = None
-                destroy_model_parallel()
-                gc.collect()
-                if device.is_gpu:
-                    torch.cuda.empty_cache()
+        entry = part[mode] = {}
+        try:
+            planned = memory.plan(dict(values), mode, device=device)
+            args = get_mode(mode).args(values)
+            entry.update(parallel=planned["parallel"], planned_peak_gib=planned["peak_gib"],
+                         planned_by_category_gib=planned["by_category_gib"],
+                         flops_per_rank=planned["flops_per_rank"],
+                         attention_kernel=ops.resolve_backend("auto", device.torch, _dtype(args)))
+            _measure_mode(args, mode, steps, device, entry)
+        except Exception as exc:  # noqa: BLE001 - out of memory, say: a result, and the next mode runs
+            entry["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        finally:
+            destroy_model_parallel()
+            gc.collect()
+            if device.is_gpu:
+                torch.cuda.empty_cache()
         save()
     if all("compute_s_median" in part.get(m, {}) for m in ("tsp", "tp-sp")):
         result["tsp_vs_tp_sp_compute"] = part["tsp"]["compute_s_median"] / part["tp-sp"]["compute_s_median"]
         save()
 
 
+PARTS = ("gemm", "backends", "modes")
+
+
 def run(out: str, config_path: str, modes: List[str], steps: int, overrides: Dict, budget_s: float,
-        seqs=SEQS, device: Optional[Device] = None) -> Dict:
+        seqs=SEQS, device: Optional[Device] = None, parts=PARTS) -> Dict:
     device = device or Device.from_launch()
     device.activate()
     end = time.monotonic() + budget_s
     values = cfg.load_config(config_path)
     values.update(overrides)
-    result: Dict = {"setup": run_record(config=config_path, overrides=overrides, modes=modes, steps=steps),
-                    "config": config_path}
+    result: Dict = {"setup": run_record(config=os.path.relpath(config_path), overrides=overrides, modes=modes,
+                                        steps=steps, parts=list(parts)),
+                    "config": os.path.relpath(config_path)}
 
     def save() -> None:
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
@@ -181,19 +248,27 @@ def run(out: str, config_path: str, modes: List[str], steps: int, overrides: Dic
         os.replace(out + ".tmp", out)
 
     save()
-    check_backends(device, seqs, end - budget_s / 2, save, result)  # half the budget at most
-    check_modes(values, modes, steps, device, end, save, result)
+    if "gemm" in parts:
+        check_gemms(device, save, result)
+    if "backends" in parts:
+        check_backends(device, seqs, end - budget_s / 2, save, result)  # half the budget at most
+    if "modes" in parts:
+        check_modes(values, modes, steps, device, end, save, result)
     return result
 
 
 def summary(result: Dict) -> str:
     lines = [f"{result['setup'].get('device')}: torch {result['setup'].get('torch')}"]
+    for name, entry in result.get("gemm", {}).items():
+        lines.append(f"gemm {name}: {entry}")
     for name, entry in result.get("backends", {}).items():
         if isinstance(entry, dict):
             err = entry.get("error") or max(entry.get("max_rel_err_vs_math", {}).values(), default=None)
             lines.append(f"backend {name}: vs math {err}, fwd+bwd ms {entry.get('fwd_bwd_ms')}")
     for mode, entry in result.get("modes", {}).items():
-        lines.append(f"{mode}: compute {entry.get('compute_s_median')} s/step, peak measured "
-                     f"{entry.get('measured_peak_gib')} GiB, planned {entry.get('planned_peak_gib')} GiB"
+        lines.append(f"{mode}: compute {entry.get('compute_s_median')} s/step, {entry.get('achieved_tflops')} "
+                     f"TFLOP/s, kernel {entry.get('attention_kernel')}, peak measured "
+                     f"{entry.get('measured_peak_gib')} GiB (reserved {entry.get('measured_peak_reserved_gib')}), "
+                     f"planned {entry.get('planned_peak_gib')} GiB"
                      + (f", {entry['error']}" if "error" in entry else ""))
     return "\n".join(lines)
