@@ -21,7 +21,8 @@ def test_gpu_check_writes_each_part(tmp_path):
         assert entry["planned_peak_gib"] > 0 and len(entry["step_s"]) == 1, entry
         assert entry["parallel"]["world_size"] == 2
         assert entry["attention_kernel"] == "cpu" and entry["achieved_tflops"] > 0 and entry["tokens_per_s"] > 0
-    assert set(result["gemm"]) == {"fp32_output_bfloat16", "fp32_output_float16"}
+    assert set(result["gemm"]) == {"fp32_output_bfloat16", "fp32_output_float16", "fp32_output_bfloat16_fake_tensors",
+                                   "fp32_output_float16_fake_tensors"}
     assert result["tsp_vs_tp_sp_compute"] > 0
 
 

@@ -153,3 +153,23 @@ def test_a_launcher_killed_with_sigkill_leaves_no_process():
         assert left_behind(session=proc.pid) == []
     finally:
         subprocess.run(["pkill", "-KILL", "-s", str(proc.pid)], check=False)
+
+
+def test_where_there_are_gpus_the_fork_server_preloads_no_megatron(monkeypatch):
+    """megatron-core's imports ask torch whether CUDA is available, which poisons every later
+    fork for CUDA: on a GPU machine the ranks' fork server must not import it (found on an H200:
+    'Cannot re-initialize CUDA in forked subprocess' at every rank's set_device)."""
+    from multiprocessing import forkserver
+
+    from megatron_tsp.run import launch
+
+    saved = list(forkserver._forkserver._preload_modules)
+    try:
+        monkeypatch.setattr(launch, "_GPU_NODES", (os.path.abspath(__file__),))
+        launch._context()
+        assert forkserver._forkserver._preload_modules == ["megatron_tsp.run.fork_server", "torch"]
+        monkeypatch.setattr(launch, "_GPU_NODES", ("/nonexistent/nvidiactl",))
+        launch._context()
+        assert "megatron.core.models.gpt" in forkserver._forkserver._preload_modules
+    finally:
+        forkserver.set_forkserver_preload(saved)

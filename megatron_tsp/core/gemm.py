@@ -17,17 +17,18 @@ device type and dtype, on 1x1 matrices, not read from its version: a torch with 
 and not the second adds an fp32 product into ``c`` (one more pass over ``c``, nothing
 rounded); one with neither casts both inputs to fp32 first (the same sums, at the cost of the
 casts and an fp32 GEMM: on a GPU, said once). The CPU takes the casts. Fake tensors (the
-memory planner) stand for a GPU's and take the GPU's path where this torch has the overloads.
+memory planner) stand for a GPU's and take the GPU's path where this torch's fake tensors
+compute it, tried the same way.
 """
 
 from __future__ import annotations
 
-import functools
 import warnings
 from typing import Dict, NamedTuple, Optional, Tuple
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
+from torch.utils._python_dispatch import _disable_current_modes
 
 
 class Fp32Output(NamedTuple):
@@ -40,9 +41,32 @@ class Fp32Output(NamedTuple):
 _TRIED: Dict[Tuple[str, torch.dtype], Fp32Output] = {}
 
 
-@functools.cache
-def _overloads() -> Fp32Output:
-    return Fp32Output("dtype_out" in torch.ops.aten.mm.overloads(), "dtype_out" in torch.ops.aten.addmm.overloads())
+_FAKE_TRIED: Dict[Tuple[str, torch.dtype], Fp32Output] = {}
+
+
+def _runs(op) -> bool:
+    try:
+        return op().dtype == torch.float32
+    except (RuntimeError, TypeError, NotImplementedError):  # no such overload, or no fake kernel for it
+        return False
+
+
+def _fake_takes(a: torch.Tensor) -> Fp32Output:
+    """Which fp32-output GEMMs this torch's fake tensors compute (the planner's tensors stand for
+    a GPU's), tried once per device type and dtype in ``a``'s own fake mode: the overloads can
+    exist without a fake kernel (torch 2.11 decomposes ``addmm.dtype_out`` into an error)."""
+    key = (a.device.type, a.dtype)
+    if key not in _FAKE_TRIED:
+        with _disable_current_modes(), a.fake_mode:  # the probe is not the step's: no tracker sees it
+            one = torch.ones(1, 1, dtype=a.dtype, device=a.device)
+
+            def add_into_fp32():
+                acc = torch.ones(1, 1, dtype=torch.float32, device=a.device)
+                return torch.addmm(acc, one, one, out_dtype=torch.float32, out=acc)
+
+            _FAKE_TRIED[key] = Fp32Output(_runs(lambda: torch.mm(one, one, out_dtype=torch.float32)),
+                                          _runs(add_into_fp32))
+    return _FAKE_TRIED[key]
 
 
 def _gives_two(op) -> bool:
@@ -80,7 +104,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None, a
         raise ValueError("gemm: accumulate needs an out tensor")
     takes = Fp32Output(False, False)
     if a.dtype != torch.float32:
-        takes = _overloads() if is_fake(a) else fp32_output_gemm(a.device, a.dtype)
+        takes = _fake_takes(a) if is_fake(a) else fp32_output_gemm(a.device, a.dtype)
     if accumulate and takes.addmm:
         return torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
     if takes.mm:

@@ -36,6 +36,7 @@ from functools import partial
 from typing import Callable, Dict, List, Optional
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from megatron_tsp.core import block_attention as ops
 from megatron_tsp.core import gemm as gemms
@@ -86,7 +87,11 @@ def check_gemms(device: Device, save: Callable[[], None], result: Dict) -> None:
     """Which fp32-output GEMMs this torch computes; on a GPU, :func:`_accumulated_products`."""
     part = result.setdefault("gemm", {})
     for dtype in (torch.bfloat16, torch.float16):
-        part[f"fp32_output_{str(dtype).split('.')[-1]}"] = gemms.fp32_output_gemm(device.torch, dtype)._asdict()
+        name = str(dtype).split(".")[-1]
+        part[f"fp32_output_{name}"] = gemms.fp32_output_gemm(device.torch, dtype)._asdict()
+        with FakeTensorMode():  # what the memory planner's tensors take on this torch
+            fake = torch.empty(1, 1, dtype=dtype, device=device.torch)
+            part[f"fp32_output_{name}_fake_tensors"] = gemms._fake_takes(fake)._asdict()
     save()
     if device.is_gpu:
         part.update(_accumulated_products(device))

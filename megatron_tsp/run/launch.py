@@ -289,17 +289,23 @@ def _worker(rank: int, world_size: int, port: int, conn: Connection, path: List[
 
 # What every rank imports: loaded once by the fork server, so that a worker starts as a fork
 # of it in a fraction of a second instead of importing torch and megatron-core on its own;
-# fork_server first, which takes the server out of the terminal's reach.
+# fork_server first, which takes the server out of the terminal's reach. Where there are GPUs
+# the server loads torch only: megatron-core's imports ask torch whether CUDA is available,
+# and torch's answer (cudaGetDeviceCount) marks every later fork as unable to use CUDA.
 _PRELOAD = ["megatron_tsp.run.fork_server", "torch", "torch.distributed", "megatron.core.parallel_state",
             "megatron.core.models.gpt"]
+_PRELOAD_WITH_GPUS = _PRELOAD[:2]
+# Device nodes of NVIDIA's, AMD's (ROCm) and WSL's GPU drivers: looked at instead of asking torch,
+# which the launcher has not imported when it starts the server.
+_GPU_NODES = ("/dev/nvidiactl", "/dev/kfd", "/dev/dxg")
 
 
 def _context():
-    """A fork server with torch and megatron-core preloaded. Forking the caller instead would
-    copy whatever threads and state it has (pytest's, a CLI's); the fork server is a clean
-    process, started once per launcher."""
+    """A fork server with torch (and, without GPUs, megatron-core) preloaded. Forking the
+    caller instead would copy whatever threads and state it has (pytest's, a CLI's); the fork
+    server is a clean process, started once per launcher."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)
+    ctx.set_forkserver_preload(_PRELOAD_WITH_GPUS if any(map(os.path.exists, _GPU_NODES)) else _PRELOAD)
     return ctx
 
 
