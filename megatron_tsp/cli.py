@@ -514,7 +514,8 @@ def _gpu_check_parser(sub, common) -> None:
     p.add_argument("--budget-s", type=POSITIVE_FLOAT, default=420.0,
                    help="time budget: what does not fit is recorded as skipped")
     p.add_argument("--parts", type=_name_list, default="gemm,backends,modes",
-                   help="comma-separated parts to run: gemm, backends, modes")
+                   help="comma-separated parts to run: gemm, backends, modes; profile: one more step per mode "
+                        "under torch's profiler, its top kernels recorded")
     p.add_argument("--out", default="bench/results/gpu-check.json", help="results file (JSON)")
     _config_flags(p, ["num_layers", "seq_length", "max_position_embeddings", "micro_batch_size"])
     p.set_defaults(func=_cmd_gpu_check)

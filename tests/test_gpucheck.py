@@ -13,9 +13,11 @@ TINY = os.path.join(ROOT, "configs", "tiny-cpu.yaml")
 
 def test_gpu_check_writes_each_part(tmp_path):
     out = str(tmp_path / "check.json")
-    assert cli.main(["gpu-check", "--config", TINY, "--modes", "tsp,tp-sp", "--steps", "1", "--out", out]) == 0
+    assert cli.main(["gpu-check", "--config", TINY, "--modes", "tsp,tp-sp", "--steps", "1", "--out", out,
+                     "--parts", "gemm,backends,modes,profile"]) == 0
     result = json.load(open(out))
     assert result["backends"] == {"skipped": "no GPU"}
+    assert {row["name"] for row in result["modes"]["tsp"]["profile"]["ops"]["top"]} >= {"aten::mm"}
     for mode in ("tsp", "tp-sp"):
         entry = result["modes"][mode]
         assert entry["planned_peak_gib"] > 0 and len(entry["step_s"]) == 1, entry

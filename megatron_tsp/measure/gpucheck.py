@@ -19,7 +19,8 @@ what it measured), within a time budget:
    on the same device, peak reserved memory, compute seconds per step (TSP against TP+SP),
    tokens/s and achieved TFLOP/s of that compute, and the attention kernel ``auto`` chose.
    Models are freed between modes, so that each peak is its own, and a mode that fails
-   (out of memory, say) is recorded as such while the next one runs.
+   (out of memory, say) is recorded as such while the next one runs. With the ``profile``
+   part, one more step per mode runs under torch's profiler and its top kernels are kept.
 
 On a machine without a GPU part 1 is skipped and part 2 runs the CPU path (the script's
 logic, tested in the suite).
@@ -179,7 +180,32 @@ def _dtype(args) -> torch.dtype:
     return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
 
 
-def _measure_mode(args, mode: str, steps: int, device: Device, entry: Dict) -> None:
+def _profiled(step: Callable[[], None], device: Device, top: int = 30) -> Dict:
+    """One more step under torch's profiler: the ops that took the most device time (on the
+    CPU, CPU time) and, on a GPU, the kernels, by name, with their calls and milliseconds."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.is_gpu:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        step()
+        device.synchronize()
+    events = prof.key_averages()
+
+    def ms(e):
+        return (e.self_device_time_total if device.is_gpu else e.self_cpu_time_total) / 1e3
+
+    def table(rows):
+        rows = sorted((e for e in rows if ms(e) > 0), key=ms, reverse=True)
+        return {"total_ms": sum(map(ms, rows)),
+                "top": [{"name": e.key[:160], "calls": e.count, "ms": ms(e)} for e in rows[:top]]}
+
+    found = {"ops": table(e for e in events if e.device_type.name == "CPU")}
+    if device.is_gpu:
+        found["kernels"] = table(e for e in events if e.device_type.name != "CPU")
+    return found
+
+
+def _measure_mode(args, mode: str, steps: int, device: Device, entry: Dict, profile: bool = False) -> None:
     with memory.fake_world(cfg.sizes(args).world_size):
         initialize(args, device, create_gloo_process_groups=False)
         step = stepper(args, device, get_mode(mode), clip_grad=0.0, use_gloo_process_groups=False,
@@ -193,6 +219,8 @@ def _measure_mode(args, mode: str, steps: int, device: Device, entry: Dict) -> N
             step()
             device.synchronize()
             times.append(time.perf_counter() - t0)
+        if profile:
+            entry["profile"] = _profiled(step, device)
     seconds = statistics.median(times)
     tokens = args.seq_length * args.global_batch_size
     entry.update(step_s=times, compute_s_median=seconds, tokens_per_s=tokens / seconds,
@@ -203,7 +231,7 @@ def _measure_mode(args, mode: str, steps: int, device: Device, entry: Dict) -> N
 
 
 def check_modes(values: Dict, modes: List[str], steps: int, device: Device, budget_end: float,
-                save: Callable[[], None], result: Dict) -> None:
+                save: Callable[[], None], result: Dict, profile: bool = False) -> None:
     part = result.setdefault("modes", {})
     for mode in modes:
         if time.monotonic() > budget_end:
@@ -218,7 +246,7 @@ def check_modes(values: Dict, modes: List[str], steps: int, device: Device, budg
                          planned_by_category_gib=planned["by_category_gib"],
                          flops_per_rank=planned["flops_per_rank"],
                          attention_kernel=ops.resolve_backend("auto", device.torch, _dtype(args)))
-            _measure_mode(args, mode, steps, device, entry)
+            _measure_mode(args, mode, steps, device, entry, profile)
         except Exception as exc:  # noqa: BLE001 - out of memory, say: a result, and the next mode runs
             entry["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         finally:
@@ -232,7 +260,7 @@ def check_modes(values: Dict, modes: List[str], steps: int, device: Device, budg
         save()
 
 
-PARTS = ("gemm", "backends", "modes")
+PARTS = ("gemm", "backends", "modes", "profile")
 
 
 def run(out: str, config_path: str, modes: List[str], steps: int, overrides: Dict, budget_s: float,
@@ -258,7 +286,7 @@ def run(out: str, config_path: str, modes: List[str], steps: int, overrides: Dic
     if "backends" in parts:
         check_backends(device, seqs, end - budget_s / 2, save, result)  # half the budget at most
     if "modes" in parts:
-        check_modes(values, modes, steps, device, end, save, result)
+        check_modes(values, modes, steps, device, end, save, result, "profile" in parts)
     return result
 
 
