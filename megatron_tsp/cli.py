@@ -537,7 +537,9 @@ def _cmd_gpu_check(ns: argparse.Namespace) -> int:
         raise UserError(f"--parts: unknown part {unknown[0]!r}; choose from {', '.join(gpucheck.PARTS)}")
     result = gpucheck.run(ns.out, path, ns.modes, ns.steps, config.overrides(ns), ns.budget_s, parts=ns.parts)
     print(gpucheck.summary(result))
-    print("wrote", ns.out)
+    markdown = os.path.splitext(ns.out)[0] + ".md"
+    _write(markdown, gpucheck.table(result) + "\n", "--out")
+    print("wrote", ns.out, "and", markdown)
     return 0
 
 

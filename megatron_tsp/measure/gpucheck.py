@@ -222,7 +222,7 @@ def _measure_mode(args, mode: str, steps: int, device: Device, entry: Dict, prof
         if profile:
             entry["profile"] = _profiled(step, device)
     seconds = statistics.median(times)
-    tokens = args.seq_length * args.global_batch_size
+    tokens = args.seq_length * args.micro_batch_size * cfg.sizes(args).dp  # one micro-batch per replica a step
     entry.update(step_s=times, compute_s_median=seconds, tokens_per_s=tokens / seconds,
                  achieved_tflops=entry["flops_per_rank"] / seconds / 1e12)
     if device.is_gpu:
@@ -304,4 +304,56 @@ def summary(result: Dict) -> str:
                      f"{entry.get('measured_peak_gib')} GiB (reserved {entry.get('measured_peak_reserved_gib')}), "
                      f"planned {entry.get('planned_peak_gib')} GiB"
                      + (f", {entry['error']}" if "error" in entry else ""))
+    return "\n".join(lines)
+
+
+def table(result: Dict, top: int = 12) -> str:
+    """The results file as markdown: GEMMs, backends, modes, and each mode's profile."""
+    setup = result["setup"]
+    lines = [f"# gpu-check: {setup.get('device')}, torch {setup.get('torch')}, megatron-core "
+             f"{setup.get('megatron-core')}", "", f"config {result['config']}, overrides {setup.get('overrides')}, "
+             f"{setup.get('date')}"]
+    gemm = result.get("gemm", {})
+    if gemm:
+        lines += ["", "| fp32-output GEMM | mm | addmm |", "|---|---|---|"]
+        lines += [f"| {name} | {v['mm']} | {v['addmm']} |" for name, v in gemm.items()
+                  if name.startswith("fp32_output")]
+        paths = [(name, v) for name, v in gemm.items() if isinstance(v, dict) and "ms" in v]
+        if paths:
+            shape = gemm["shape"]
+            lines += ["", f"{shape['stages']} bf16 products [{shape['m']}x{shape['k']}] @ [{shape['k']}x{shape['n']}] "
+                      "summed in fp32:", "", "| path | ms | TFLOP/s | max rel. error vs fp64 |", "|---|---|---|---|"]
+            lines += [f"| {name} | {v['ms']:.2f} | {v['tflops']:.0f} | {v['max_rel_err_vs_fp64']:.1e} |"
+                      for name, v in paths]
+    backends = {n: v for n, v in result.get("backends", {}).items() if isinstance(v, dict) and "fwd_bwd_ms" in v}
+    if backends:
+        seqs = sorted({int(s) for v in backends.values() for s in v["fwd_bwd_ms"]})
+        lines += ["", "Attention backends, one head group of a TSP rank of D=8 of the 7B, fwd+bwd ms:", "",
+                  "| backend | bottom-right causal | max rel. err vs math | "
+                  + " | ".join(f"S={s}" for s in seqs) + " |",
+                  "|---|---|---|" + "---|" * len(seqs)]
+        for name, v in backends.items():
+            times = {int(s): ms for s, ms in v["fwd_bwd_ms"].items()}
+            lines.append(f"| {name} | {v.get('bottom_right_causal')} | {max(v['max_rel_err_vs_math'].values()):.1e} | "
+                         + " | ".join(f"{times[s]:.2f}" if s in times else "-" for s in seqs) + " |")
+    modes = result.get("modes", {})
+    if modes:
+        lines += ["", "One rank, fake process group (collectives no-ops):", "",
+                  "| mode | compute s/step | TFLOP/s | job tokens/s | kernel | peak GiB measured | planned "
+                  "| reserved |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for mode, e in modes.items():
+            if "compute_s_median" not in e:
+                lines.append(f"| {mode} | {e.get('error') or e.get('skipped')} | | | | | | |")
+                continue
+            lines.append(f"| {mode} | {e['compute_s_median']:.3f} | {e['achieved_tflops']:.0f} | "
+                         f"{e['tokens_per_s']:.0f} | {e['attention_kernel']} | {e.get('measured_peak_gib') or 0:.2f} | "
+                         f"{e['planned_peak_gib']:.2f} | {e.get('measured_peak_reserved_gib') or 0:.2f} |")
+        if "tsp_vs_tp_sp_compute" in result:
+            lines += ["", f"TSP / TP+SP compute: {result['tsp_vs_tp_sp_compute']:.3f}"]
+    for mode, e in modes.items():
+        for kind, prof in e.get("profile", {}).items():
+            lines += ["", f"{mode}: top {kind} by device time, one step ({prof['total_ms']:.1f} ms in all)", "",
+                      "| ms | calls | name |", "|---|---|---|"]
+            lines += [f"| {row['ms']:.1f} | {row['calls']} | `{row['name'][:100]}` |" for row in prof["top"][:top]]
     return "\n".join(lines)
