@@ -307,6 +307,40 @@ def test_gpu_backend_self_check_accepts_a_right_kernel_and_stops_a_wrong_one(mon
         kernels.check_backend("flash", cpu, torch.float32)
 
 
+def test_a_kernel_that_refuses_non_square_causal_blocks_gets_square_ones(monkeypatch):
+    """torch-ROCm's flash kernel (AOTriton): 'For backwards kernel seqlen_q must equal seqlen_k
+    for causal kernels'. The alignment probe must not stop there: such a kernel gets a square
+    causal block and a full one per chunk, and the result is exact."""
+    from megatron_tsp.core import block_attention as kernels
+
+    class AOTriton(kernels._Math):
+        bottom_right = None
+
+        @staticmethod
+        def backward(dout, q, k, v, out, lse, causal, scale):
+            if causal and q.size(2) != k.size(2):
+                raise RuntimeError("For backwards kernel seqlen_q must equal seqlen_k for causal kernels")
+            return kernels._Math.backward(dout, q, k, v, out, lse, causal, scale)
+
+    monkeypatch.setattr(kernels, "_CHECKED", {})
+    monkeypatch.setitem(kernels._KERNELS, "flash", AOTriton)
+    monkeypatch.setattr(kernels, "GPU_BACKENDS", ("cudnn", "efficient"))  # 'flash' takes CPU tensors here
+    monkeypatch.setattr(kernels, "HALF_ONLY", ())
+    cpu = torch.device("cpu")
+    kernels.check_backend("flash", cpu, torch.float32)
+    assert kernels.bottom_right("flash", cpu, torch.float32) is False
+    g = torch.Generator().manual_seed(0)
+    q, dout = (torch.randn(2 * 16, 2, 4, 8, generator=g) for _ in range(2))
+    k, v = (torch.randn(4 * 16, 2, 2, 8, generator=g) for _ in range(2))
+    grads = {}
+    for backend in ("flash", "math"):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = kernels.block_attention(*leaves, [1, 2], 8 ** -0.5, backend)
+        grads[backend] = (out, *torch.autograd.grad(out, leaves, dout))
+    for got, want in zip(grads["flash"], grads["math"]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.fixture
 def flash_attn_on_cpu(monkeypatch):
     """flash-attn 2.8's entry points (tests/standins) as a backend on CPU tensors."""

@@ -190,7 +190,8 @@ def _no_rng(device) -> Tuple[torch.Tensor, torch.Tensor]:
 
 class _Flash:
     """torch's flash kernel (FlashAttention-2 inside torch; CUDA and ROCm, fp16/bf16, GQA
-    native). Whether its causal mask is aligned bottom-right is learned by the check."""
+    native). Whether its causal mask is aligned bottom-right is learned by the check: on ROCm
+    it is AOTriton, whose backward refuses a causal block with sq != sk."""
 
     bottom_right = None
 
@@ -407,7 +408,10 @@ def check_backend(backend: str, device: torch.device, dtype: torch.dtype) -> Non
                                "or another backend")
     aligned = kernel.bottom_right
     if aligned is None:
-        aligned = agrees(64, 128, True) is None
+        try:
+            aligned = agrees(64, 128, True) is None
+        except RuntimeError:  # refuses causal with sq != sk (ROCm's AOTriton backward): square blocks only
+            aligned = False
     _CHECKED[key] = aligned
 
 
