@@ -1,5 +1,6 @@
 """TSPNorm, the norm of TSP layers and of the baselines' stock layers."""
 
+import pytest
 import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -59,3 +60,44 @@ def test_rmsnorm_equals_torchs():
         assert torch.equal(outs[0], outs[1])  # the same fp32 arithmetic, rounded once
         for a, b in zip(*grads):
             assert torch.allclose(a.float(), b.float(), rtol=tol, atol=tol)
+
+
+def test_layernorm_1p_rmsnorm_is_zero_centred_with_or_without_apex(monkeypatch):
+    """--apply-layernorm-1p with RMSNorm computes x/rms·(1+γ) with γ from 0, as
+    TransformerEngine does. apex's FusedRMSNorm (here a stand-in with its signature and
+    semantics: x/rms·γ, γ from 1) has no such option, so it must not be the one built."""
+    import sys
+    import types
+
+    from megatron_tsp.core import norm as norm_module
+
+    class FusedRMSNorm(torch.nn.Module):  # apex.normalization.FusedRMSNorm(normalized_shape, eps, elementwise_affine)
+        def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True):
+            super().__init__()
+            self.eps = eps
+            self.weight = torch.nn.Parameter(torch.ones(normalized_shape))
+
+        def forward(self, x):
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+    apex = types.ModuleType("apex")
+    apex.normalization = types.SimpleNamespace(FusedRMSNorm=FusedRMSNorm)
+    monkeypatch.setitem(sys.modules, "apex", apex)
+    monkeypatch.setitem(sys.modules, "apex.normalization", apex.normalization)
+    for apex_there in (True, False):
+        monkeypatch.setattr(norm_module, "nvidia_apex_available", lambda: apex_there)
+        config = _config(normalization="RMSNorm", layernorm_zero_centered_gamma=True)
+        norm = TSPNorm(config, 16)
+        assert not isinstance(norm, FusedRMSNorm)
+        assert torch.equal(norm.weight.detach(), torch.zeros(16)) and norm.weight.sequence_parallel
+        with torch.no_grad():
+            norm.weight.copy_(torch.linspace(-0.5, 0.5, 16))
+        x = torch.randn(8, 16)
+        want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * (1 + norm.weight.detach())
+        torch.testing.assert_close(norm(x), want)
+        norm(x).sum().backward()  # the gradient reaches γ through 1 + γ
+        assert norm.weight.grad is not None and norm.weight.grad.abs().sum() > 0
+    # LayerNorm 1p without TransformerEngine or apex: one line, with the fix
+    monkeypatch.setattr(norm_module, "nvidia_apex_available", lambda: False)
+    with pytest.raises(ValueError, match="--apply-layernorm-1p with LayerNorm needs TransformerEngine or apex"):
+        TSPNorm(_config(normalization="LayerNorm", layernorm_zero_centered_gamma=True), 16)

@@ -44,15 +44,20 @@ class RMSNormFunction(torch.autograd.Function):
 
 
 class RMSNorm(torch.nn.Module):
-    """torch.nn.RMSNorm's parameters and result, through :class:`RMSNormFunction`."""
+    """torch.nn.RMSNorm's parameters and result, through :class:`RMSNormFunction`. With
+    ``zero_centered_gamma`` (megatron's ``--apply-layernorm-1p``, as TransformerEngine computes
+    it) the weight starts at 0 and scales by ``1 + weight``."""
 
-    def __init__(self, hidden_size: int, eps: float, device=None, dtype=None):
+    def __init__(self, hidden_size: int, eps: float, device=None, dtype=None, zero_centered_gamma: bool = False):
         super().__init__()
         self.eps = eps
-        self.weight = torch.nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+        self.zero_centered_gamma = zero_centered_gamma
+        init = torch.zeros if zero_centered_gamma else torch.ones
+        self.weight = torch.nn.Parameter(init(hidden_size, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return RMSNormFunction.apply(x, self.weight, self.eps)
+        weight = self.weight + 1 if self.zero_centered_gamma else self.weight
+        return RMSNormFunction.apply(x, weight, self.eps)
 
 
 def implementation(config: TransformerConfig, fused: bool = True) -> str:
@@ -86,8 +91,12 @@ class TSPNorm:
             from megatron.core.extensions.transformer_engine import TENorm
 
             return TENorm(config, hidden_size, eps)  # marks sequence_parallel itself
-        if config.layernorm_zero_centered_gamma and kind != "apex":
-            raise ValueError("--apply-layernorm-1p needs TransformerEngine or apex; install one or turn it off")
+        zero_centered = config.layernorm_zero_centered_gamma
+        if zero_centered and config.normalization == "RMSNorm":
+            kind = "torch"  # apex's FusedRMSNorm has no zero-centred gamma: x/rms·γ with γ from 1, not x/rms·(1+γ)
+        elif zero_centered and kind != "apex":
+            raise ValueError("--apply-layernorm-1p with LayerNorm needs TransformerEngine or apex; install one, "
+                             "use RMSNorm or turn it off")
         device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
         dtype = torch.float32 if kind == "torch-unfused" else config.params_dtype
         if kind == "apex" and config.normalization == "LayerNorm":
@@ -101,7 +110,7 @@ class TSPNorm:
         elif config.normalization == "LayerNorm":
             norm = torch.nn.LayerNorm(hidden_size, eps=eps, device=device, dtype=dtype)
         elif kind == "torch":
-            norm = RMSNorm(hidden_size, eps=eps, device=device, dtype=dtype)
+            norm = RMSNorm(hidden_size, eps=eps, device=device, dtype=dtype, zero_centered_gamma=zero_centered)
         else:
             norm = torch.nn.RMSNorm(hidden_size, eps=eps, device=device, dtype=dtype)
         for param in norm.parameters():
