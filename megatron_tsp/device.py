@@ -1,7 +1,8 @@
 """The device a rank runs on, chosen once at launch and passed down.
 
-:meth:`Device.from_launch` is the one place that asks torch whether a GPU is there (NVIDIA
-CUDA or AMD ROCm, which torch calls ``cuda`` too); everything else takes a :class:`Device`:
+:meth:`Device.from_launch` and :meth:`Device.gpus_here` are the places that ask torch whether a
+GPU is there (NVIDIA CUDA or AMD ROCm, which torch calls ``cuda`` too); everything else takes a
+:class:`Device`:
 the model, batches, losses and collective buffers are created on ``device.torch``, the
 collectives run on ``device.backend`` (NCCL/RCCL on GPUs, gloo on the CPU), and the few
 calls that differ between a GPU and the CPU (synchronise, peak memory, RNG state) are its
@@ -22,6 +23,11 @@ import torch
 class Device:
     type: str  # "cuda" (NVIDIA or ROCm) or "cpu"
     index: int = 0
+
+    @staticmethod
+    def gpus_here() -> int:
+        """How many GPUs torch sees on this machine (0 without any)."""
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
     @classmethod
     def from_launch(cls, local_rank: Optional[int] = None) -> "Device":

@@ -173,3 +173,15 @@ def test_where_there_are_gpus_the_fork_server_preloads_no_megatron(monkeypatch):
         assert "megatron.core.models.gpt" in forkserver._forkserver._preload_modules
     finally:
         forkserver.set_forkserver_preload(saved)
+
+
+def test_more_local_ranks_than_gpus_is_one_line(monkeypatch):
+    """bench's default --nproc 2 on a one-GPU machine put both ranks on cuda:0 with NCCL."""
+    from megatron_tsp.errors import UserError
+    from megatron_tsp.run import launch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(UserError, match=r"--nproc 2: this machine has 1 GPU\(s\).*CUDA_VISIBLE_DEVICES="):
+        with launch.job(2):
+            pass

@@ -194,7 +194,9 @@ class Job:
 def job(nproc: int, collective_timeout_min: float = 10.0, timeout_s: float = DEFAULT_TIMEOUT_S,
         forward_sigterm: bool = False) -> Iterator[Job]:
     """Under torchrun: join its job on this rank's device (NCCL/RCCL on GPUs, gloo on the
-    CPU). Otherwise: ``nproc`` local ranks, the pool started at the first ``run``.
+    CPU). Otherwise: ``nproc`` local ranks, one per GPU where there are GPUs (more ranks than
+    GPUs: one line) and gloo on the CPU where there are none, the pool started at the first
+    ``run``.
 
     ``forward_sigterm``: the ranks handle SIGTERM themselves (``--exit-signal-handler``), so a
     local launcher that receives it passes it on to them and waits for them to finish;
@@ -213,6 +215,13 @@ def job(nproc: int, collective_timeout_min: float = 10.0, timeout_s: float = DEF
         finally:
             dist.destroy_process_group()
         return
+    from megatron_tsp.device import Device
+
+    gpus = Device.gpus_here()
+    if 0 < gpus < nproc:
+        raise UserError(f"--nproc {nproc}: this machine has {gpus} GPU(s), and NCCL/RCCL cannot put two ranks on one; "
+                        f"use --nproc {gpus} or fewer, or hide the GPUs (CUDA_VISIBLE_DEVICES=) for {nproc} gloo "
+                        "ranks on the CPU")
     pools: List[WorkerPool] = []
 
     def run(fn, *args, **kwargs):
