@@ -1,6 +1,6 @@
 """Mistakes a user can fix, as exceptions whose message is the one line the user sees.
 
-``megatron-tsp`` prints a :class:`UserError` as ``megatron-tsp: error: <message>`` and exits
+``megatron-tsp`` prints a :class:`UserError` as ``megatron-tsp COMMAND: error: <message>`` and exits
 non-zero, with no traceback: the message names the flag, key or file and the fix. Anything
 else is a bug or a fault; the command line prints its last line and keeps the traceback in
 the run's log (see ``cli.main``).

@@ -85,7 +85,7 @@ def test_layernorm_1p_rmsnorm_is_zero_centred_with_or_without_apex(monkeypatch):
     monkeypatch.setitem(sys.modules, "apex", apex)
     monkeypatch.setitem(sys.modules, "apex.normalization", apex.normalization)
     for apex_there in (True, False):
-        monkeypatch.setattr(norm_module, "nvidia_apex_available", lambda: apex_there)
+        monkeypatch.setattr(norm_module, "nvidia_apex_available", lambda there=apex_there: there)
         config = _config(normalization="RMSNorm", layernorm_zero_centered_gamma=True)
         norm = TSPNorm(config, 16)
         assert not isinstance(norm, FusedRMSNorm)

@@ -38,3 +38,58 @@ def test_overlap_param_gather_is_refused_where_layers_skip_megatrons_pre_hooks(l
                             use_distributed_optimizer=True, **layout))
     config.resolve(dict(mock_data=True, vocab_size=256, overlap_param_gather=True, use_distributed_optimizer=True,
                         tensor_model_parallel_size=2, sequence_parallel=True))  # stock TP+SP runs its hooks
+
+
+def _non_default(value):
+    """A value of the same kind as a field's default, other than it."""
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, (int, float)):
+        return value + 1
+    if isinstance(value, str):
+        return value + "-other"
+    if value is None:
+        return 2
+    return object()
+
+
+def _default_only_fields():
+    import dataclasses
+
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_tsp.core import support
+
+    ruled = {rule.config_attr() for rule in RULES}
+    return [f for f in dataclasses.fields(TransformerConfig)
+            if not (f.name in support.CONFIG_IMPLEMENTED or f.name in support.CONFIG_NEUTRAL or f.name in ruled
+                    or f.name.startswith(support.CONFIG_NEUTRAL_PREFIXES))]
+
+
+def test_every_config_field_tsp_does_not_implement_is_refused_away_from_its_default():
+    """An allow-list: softmax_type='learnable' (0.16.1's local attention has it) once gave vanilla
+    softmax and no sink without a word. Walk TransformerConfig: each field that is neither
+    implemented, nor harmless, nor a rule's is refused, at construction, in one line naming it."""
+    import dataclasses
+
+    import torch
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_tsp.core.support import check_attention_config, check_mlp_config
+
+    fields = _default_only_fields()
+    names = {f.name for f in fields}
+    assert {"softmax_type", "window_attn_skip_freq", "no_rope_freq", "qk_l2_norm"} <= names
+    base = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True,
+                             tensor_model_parallel_size=2, sequence_parallel=True, params_dtype=torch.float32,
+                             attention_dropout=0.0)
+    check_attention_config(base, 2)  # the defaults pass
+    check_mlp_config(base, 2, 256)
+    for field in fields:
+        default = field.default if field.default is not dataclasses.MISSING else field.default_factory()
+        config = dataclasses.replace(base)
+        setattr(config, field.name, _non_default(default))
+        for check, args in ((check_attention_config, (config, 2)), (check_mlp_config, (config, 2, 256))):
+            with pytest.raises(ValueError, match=rf"TransformerConfig\.{field.name}=.* leave it at its default") as err:
+                check(*args)
+            assert "\n" not in str(err.value)

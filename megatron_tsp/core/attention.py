@@ -46,7 +46,7 @@ from megatron_tsp.core.block_attention import (
     attend_into,
     bottom_right,
     resolve_backend,
-    select_backend,
+    validate_backend,
     zigzag_blocks,
 )
 from megatron_tsp.core.gemm import gemm, gemm_t
@@ -107,7 +107,7 @@ class TSPSelfAttention(SelfAttention):
         self.weight_group = weight_group
         self.overlap_comm = overlap_comm
         self.lookahead = lookahead
-        self.attention_backend = select_backend(attention_backend)
+        self.attention_backend = validate_backend(attention_backend)
         self.softmax_scale = config.softmax_scale or 1.0 / math.sqrt(self.hidden_size_per_attention_head)
         self.zigzag_indices = zigzag_indices if zigzag_indices is not None else zigzag.IndexCache()
         self.chain = chain if chain is not None else LayerChain()

@@ -27,7 +27,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_tsp.core import zigzag
-from megatron_tsp.core.block_attention import block_attention, select_backend
+from megatron_tsp.core.block_attention import block_attention, validate_backend
 from megatron_tsp.core.kv import AllGatherKV
 from megatron_tsp.core.spec import norm_spec, with_ring_mlp
 
@@ -58,7 +58,7 @@ class FlashDotProductAttention(MegatronModule):
 
             self.cp_group = parallel_state.get_context_parallel_group()
         self.softmax_scale = softmax_scale or 1.0 / math.sqrt(config.kv_channels)
-        self.backend = select_backend(attention_backend)
+        self.backend = validate_backend(attention_backend)
         self.zigzag = zigzag.IndexCache()
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,

@@ -322,7 +322,7 @@ def flash_attn_installed() -> bool:
     return True
 
 
-def select_backend(name: str) -> str:
+def validate_backend(name: str) -> str:
     """Validate a backend name when a module is built (``auto`` is resolved per call)."""
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)} (got {name!r})")

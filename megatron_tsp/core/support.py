@@ -1,10 +1,14 @@
 """What TSP supports: one row per Megatron-LM setting that TSP restricts.
 
 Each :class:`Rule` names the flag, says which values TSP accepts at size D, why, and the fix.
-Three readers, one wording (:meth:`Rule.message`):
+Every reader gets one wording (:meth:`Rule.message`):
 
 * model build: the TSP layers check their ``TransformerConfig`` (:func:`check_attention_config`,
-  :func:`check_mlp_config`), so a wrong model never runs;
+  :func:`check_mlp_config`; ``core.attention``, ``core.mlp``, ``core.hybrid``), so a wrong
+  model never runs; a config field that no rule reads and that TSP does not implement
+  (:data:`CONFIG_IMPLEMENTED`) or ignore harmlessly (:data:`CONFIG_NEUTRAL`) is refused away
+  from its default, so what this list forgets is refused, not passed;
+* sizes and layouts: ``core.sizes``, ``core.zigzag`` and ``core.prefetch`` call :func:`require`;
 * ``megatron-tsp`` configs: ``run.config`` checks the keys it knows (:func:`violations`);
 * Megatron-LM: ``megatron_lm.translate_argv`` checks the command line.
 
@@ -15,7 +19,7 @@ command line reads it before megatron-core is loaded.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator, List, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, List, Mapping, Optional, Tuple
 
 if TYPE_CHECKING:
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -134,6 +138,85 @@ RULES: List[Rule] = [
 ]
 
 
+# TransformerConfig, field by field: what a TSP layer may be given. Every field of megatron-core
+# 0.16's and 0.19's config that is neither below nor read by a rule of RULES changes a layer's
+# math in a way TSP does not compute (softmax_type, window_attn_skip_freq, no_rope_freq,
+# qk_l2_norm, use_mup, ...), or was added after someone last looked (a later megatron-core's):
+# it is refused at any value but its default (:func:`unlisted_settings`).
+CONFIG_IMPLEMENTED = frozenset({
+    # what the TSP layers compute at any value, as megatron's layers do
+    "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels", "ffn_hidden_size",
+    "softmax_scale", "apply_query_key_layer_scaling", "attention_softmax_in_fp32", "rotary_interleaved",
+    "apply_rope_fusion", "fused_single_qkv_rope", "qk_layernorm", "normalization", "layernorm_epsilon",
+    "layernorm_zero_centered_gamma", "add_bias_linear", "add_qkv_bias", "gated_linear_unit", "activation_func",
+    "glu_linear_offset", "activation_func_clamp_value", "hidden_dropout", "fp32_residual_connection",
+    "params_dtype", "fp16", "bf16", "init_method", "output_layer_init_method", "init_method_std",
+    "embedding_init_method", "embedding_init_method_std", "perform_initialization", "use_cpu_initialization",
+    "calculate_per_token_loss",
+})
+CONFIG_NEUTRAL = frozenset({
+    # how the math runs, not what it is: fusions, kernels, recompute, offloading, graphs, logging
+    "bias_activation_fusion", "masked_softmax_fusion", "persist_layer_norm", "memory_efficient_layer_norm",
+    "bias_dropout_fusion", "gradient_accumulation_fusion", "cross_entropy_loss_fusion", "cross_entropy_fusion_impl",
+    "async_tensor_model_parallel_allreduce", "attention_backend", "transformer_impl", "flash_attention_version",
+    "fused_residual_rmsnorm", "use_transformer_engine_op_fuser", "use_grouped_gemm_for_dense_mlp",
+    "mlp_chunks_for_prefill", "mlp_chunks_for_training", "disable_bf16_reduced_precision_matmul",
+    "deterministic_mode", "batch_invariant_mode", "test_mode", "autocast_dtype", "recompute_granularity",
+    "recompute_method", "recompute_num_layers", "distribute_saved_activations", "recompute_modules",
+    "num_microbatches_with_partial_activation_checkpoints", "fine_grained_activation_offloading",
+    "offload_modules", "min_offloaded_tensor_size", "activation_offload_fraction", "delay_offload_until_cuda_graph",
+    "delta_offload_bytes_across_pp_ranks", "clone_scatter_output_in_embedding", "disable_parameter_transpose_cache",
+    "config_logger_dir", "timers", "finalize_model_grads_func", "grad_scale_func", "no_sync_func",
+    "grad_sync_func", "param_sync_func", "barrier_with_L1_time", "init_model_with_meta_device",
+    "use_te_rng_tracker", "enable_cuda_graph", "external_cuda_graph", "flash_decode", "symmetric_ar_type",
+    "use_inference_optimized_layers", "is_hybrid_model", "variable_seq_lengths",
+    "hetereogenous_dist_checkpoint", "nccl_all_reduce_for_prefill", "high_priority_a2a_comm_stream",
+    # the parallel layout and the pipeline schedule (RULES restrict what concerns TSP)
+    "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+    "pipeline_model_parallel_comm_backend", "pipeline_dtype", "pipeline_model_parallel_layout",
+    "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage",
+    "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
+    "microbatch_group_size_per_vp_stage", "overlap_p2p_comm", "batch_p2p_comm", "batch_p2p_sync",
+    "use_ring_exchange_p2p", "deallocate_pipeline_outputs", "defer_embedding_wgrad_compute",
+    "wgrad_deferral_limit", "overlap_p2p_comm_warmup_flush", "delay_wgrad_compute",
+    "ep_overlap_early_attn_memory_release", "hierarchical_context_parallel_sizes", "max_seqlen_per_dp_cp_rank",
+    "hybrid_context_parallel", "cp_comm_type", "expert_model_parallel_size", "expert_tensor_parallel_size",
+    "moe_extended_tp",
+    # read only by layers that RULES refuse (experts, MTP, fp8/fp4, Mamba, DSA, linear attention)
+    "activation_func_fp8_input_store", "first_last_layers_bf16", "num_layers_at_start_in_bf16",
+    "num_layers_at_end_in_bf16", "use_fused_weighted_squared_relu", "fp8_output_proj",
+    "dsa_indexer_n_heads", "dsa_indexer_head_dim", "dsa_indexer_topk", "dsa_indexer_loss_coeff",
+    "dsa_indexer_use_sparse_loss", "linear_attention_freq", "linear_conv_kernel_dim", "linear_key_head_dim",
+    "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads", "kitchen_attention_backend",
+    "mup_attn_scale_power", "mup_base_head_dim", "mup_base_hidden_size", "mup_embedding_mult", "mup_output_mult",
+    "mup_width_mult", "experimental_attention_variant_loss_scale_func",
+})
+CONFIG_NEUTRAL_PREFIXES = ("moe_", "mtp_", "fp8_", "fp4_", "tp_comm_", "cuda_graph_", "cpu_offloading", "dsa_",
+                           "mamba_", "inference_", "fine_grained_offloading_", "_cpu_offloading")
+
+
+def unlisted_settings(config: TransformerConfig) -> Iterator[Tuple[str, Any, Any]]:
+    """``(field, value, default)`` of every field of ``config`` that is set away from its default
+    and that TSP neither implements, nor ignores harmlessly, nor checks by a rule."""
+    import dataclasses
+
+    ruled = {rule.config_attr() for rule in RULES}
+    for field in dataclasses.fields(config):
+        name = field.name
+        if name in CONFIG_IMPLEMENTED or name in CONFIG_NEUTRAL or name in ruled or \
+                name.startswith(CONFIG_NEUTRAL_PREFIXES):
+            continue
+        if field.default is not dataclasses.MISSING:
+            default = field.default
+        elif field.default_factory is not dataclasses.MISSING:
+            default = field.default_factory()
+        else:
+            continue
+        value = getattr(config, name)
+        if value is not default and value != default:
+            yield name, value, default
+
+
 def violations(values: Mapping[str, Any], tsp_size: int, layers=("layout", "all", "attention", "mlp"),
                name: Callable[[Rule], str] = lambda rule: rule.flag, under: str = "--tsp-size") -> Iterator[str]:
     """The message of every rule of ``layers`` that a setting of ``values`` (``{flag: value}``;
@@ -168,6 +251,9 @@ def _check_config(config: TransformerConfig, tsp_size: int, module: str, layers,
                 if rule.key in values or (rule.config_attr() is not None and hasattr(config, rule.config_attr()))}
     for message in violations(settings, tsp_size, layers, under=under):
         raise ValueError(f"{module}: {message}")
+    for name, value, default in unlisted_settings(config):
+        raise ValueError(f"{module}: TransformerConfig.{name}={value!r} changes the layer's math in a way TSP does not "
+                         f"implement; leave it at its default ({default!r})")
 
 
 def check_attention_config(config: TransformerConfig, tsp_size: int, attn_mask_type=None) -> None:

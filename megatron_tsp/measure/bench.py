@@ -1,4 +1,6 @@
-"""Side-by-side benchmark of TSP, TP+SP and TP x CP training steps on the machine at hand.
+"""Side-by-side benchmark of training steps of the modes (:data:`megatron_tsp.run.modes.MODES`:
+TSP with and without its overlap, TP, TP+SP, TP+SP with the ring MLP, TP x CP) on the
+machine at hand.
 
 Every mode trains the same model (same config, data and seed) on the same ranks (gloo on a
 CPU, NCCL/RCCL under torchrun on GPUs) with the same attention op
@@ -8,7 +10,7 @@ same tokens. Modes are interleaved: repeat r runs a block of timed steps of ever
 before repeat r+1 starts, so slow drifts of a noisy machine hit all modes alike.
 
 Like with like is checked, not assumed: each block's first step (the fresh model on the
-first batch) must give the same loss in every mode, to fp32 noise, or no result is written.
+first batch) must give the same loss in every mode (:func:`loss_rtol`), or no result is written.
 Reported per sequence length and mode: median step time with its spread (min-max over
 blocks of their medians), TSP with its overlap off (weight streams and K/V exchange; the
 difference is the communication the overlap hides), bytes received per rank per step
