@@ -33,3 +33,15 @@ def test_every_rank_does_the_same_causal_work():
 def test_indivisible_sequence_is_a_clear_error():
     with pytest.raises(ValueError, match=r"--seq-length 10 is not divisible by 2 x --tsp-size = 4"):
         zigzag.local_positions(10, 2, 0)
+
+
+def test_a_batch_is_checked_and_permuted_once_not_per_key_and_rank(monkeypatch):
+    calls = []
+    real = zigzag.check_seq_len
+    monkeypatch.setattr(zigzag, "check_seq_len", lambda *a: calls.append(a) or real(*a))
+    batch = {key: torch.arange(32).reshape(2, 16) for key in zigzag.SEQUENCE_KEYS}
+    batch["attention_mask"] = torch.ones(2, 1, 16, 16, dtype=torch.bool)
+    out = zigzag.zigzag_batch(batch, 4)
+    assert calls == [(16, 4)]
+    for key in zigzag.SEQUENCE_KEYS:
+        assert torch.equal(out[key], zigzag.to_zigzag(batch[key], 4, dim=1))

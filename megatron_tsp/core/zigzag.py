@@ -34,7 +34,10 @@ def local_positions(
     seq_len: int, tsp_size: int, tsp_rank: int, device: torch.device | str | None = None
 ) -> torch.Tensor:
     """Global positions, in local order, of the ``seq_len / tsp_size`` tokens of a rank."""
-    chunk = check_seq_len(seq_len, tsp_size)
+    return _positions(check_seq_len(seq_len, tsp_size), tsp_size, tsp_rank, device)
+
+
+def _positions(chunk: int, tsp_size: int, tsp_rank: int, device) -> torch.Tensor:
     first, second = rank_chunks(tsp_size, tsp_rank)
     return torch.cat(
         [
@@ -46,7 +49,8 @@ def local_positions(
 
 def permutation(seq_len: int, tsp_size: int, device: torch.device | str | None = None) -> torch.Tensor:
     """``perm`` such that ``x[perm]`` is ``x`` in zigzag order (rank 0's tokens first)."""
-    return torch.cat([local_positions(seq_len, tsp_size, r, device) for r in range(tsp_size)])
+    chunk = check_seq_len(seq_len, tsp_size)
+    return torch.cat([_positions(chunk, tsp_size, r, device) for r in range(tsp_size)])
 
 
 def inverse_permutation(
@@ -110,11 +114,16 @@ def zigzag_batch(batch: dict, tsp_size: int) -> dict:
     """
     if tsp_size == 1:
         return batch
+    present = [key for key in SEQUENCE_KEYS if batch.get(key) is not None]
+    if not present:
+        return batch
+    # one permutation (and one check of the length) for every key
+    perm = permutation(batch[present[0]].size(1), tsp_size, batch[present[0]].device)
     out = dict(batch)
-    for key in SEQUENCE_KEYS:
-        if out.get(key) is not None:
-            out[key] = to_zigzag(out[key], tsp_size, dim=1)
+    for key in present:
+        out[key] = out[key].index_select(1, perm.to(out[key].device))
     mask = out.get("attention_mask")
     if mask is not None:
-        out["attention_mask"] = to_zigzag(to_zigzag(mask, tsp_size, dim=-1), tsp_size, dim=-2)
+        perm = perm.to(mask.device)
+        out["attention_mask"] = mask.index_select(-1, perm).index_select(-2, perm)
     return out
