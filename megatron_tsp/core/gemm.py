@@ -51,7 +51,7 @@ def _runs(op) -> bool:
         return False
 
 
-def _fake_takes(a: torch.Tensor) -> Fp32Output:
+def fake_fp32_output_gemm(a: torch.Tensor) -> Fp32Output:
     """Which fp32-output GEMMs this torch's fake tensors compute (the planner's tensors stand for
     a GPU's), tried once per device type and dtype in ``a``'s own fake mode: the overloads can
     exist without a fake kernel (torch 2.11 decomposes ``addmm.dtype_out`` into an error)."""
@@ -104,7 +104,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None, a
         raise ValueError("gemm: accumulate needs an out tensor")
     takes = Fp32Output(False, False)
     if a.dtype != torch.float32:
-        takes = _fake_takes(a) if is_fake(a) else fp32_output_gemm(a.device, a.dtype)
+        takes = fake_fp32_output_gemm(a) if is_fake(a) else fp32_output_gemm(a.device, a.dtype)
     if accumulate and takes.addmm:
         return torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
     if takes.mm:

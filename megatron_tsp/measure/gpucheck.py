@@ -92,7 +92,7 @@ def check_gemms(device: Device, save: Callable[[], None], result: Dict) -> None:
         part[f"fp32_output_{name}"] = gemms.fp32_output_gemm(device.torch, dtype)._asdict()
         with FakeTensorMode():  # what the memory planner's tensors take on this torch
             fake = torch.empty(1, 1, dtype=dtype, device=device.torch)
-            part[f"fp32_output_{name}_fake_tensors"] = gemms._fake_takes(fake)._asdict()
+            part[f"fp32_output_{name}_fake_tensors"] = gemms.fake_fp32_output_gemm(fake)._asdict()
     save()
     if device.is_gpu:
         part.update(_accumulated_products(device))
