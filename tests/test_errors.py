@@ -312,6 +312,15 @@ def test_predict_with_a_mistyped_hardware_value(capsys, tmp_path):
         capsys, ["predict", MODEL_7B, "--hardware", path], code=2)
 
 
+@pytest.mark.parametrize("command", ["predict", "plan", "memory"])
+def test_comparing_modes_of_a_config_without_a_parallel_size_names_the_missing_size(capsys, command):
+    """It blamed ring_mlp, which the user never set."""
+    base = os.path.join(ROOT, "configs", "7b", "model.yaml")
+    hardware = [] if command == "memory" else ["--hardware", H100]
+    line = one_line(capsys, [command, base, *hardware], code=2)
+    assert "sets no model-parallel size" in line and "tsp_size" in line and "ring" not in line
+
+
 @pytest.mark.parametrize("hidden,ok", [(0, True), (0.7, True), (1, True), (1.5, False), (-0.1, False)])
 def test_te_overlap_fraction_may_be_zero_and_no_more_than_one(tmp_path, hidden, ok):
     with open(H100) as f:

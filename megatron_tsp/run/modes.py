@@ -131,6 +131,10 @@ def check_layouts(values: Dict, names, world_size: Optional[int], cp: int, sourc
     """Every mode of ``names`` lays ``values`` out on ``world_size`` ranks (None: one replica):
     one ConfigError line otherwise, before any slow work starts. ``source`` names the flag the
     world size came from."""
+    if ParallelSizes.of(values).within_a_stage == 1:
+        raise ConfigError("the config sets no model-parallel size (tsp_size, tensor_model_parallel_size, "
+                          "context_parallel_size), and the modes are layouts of one size D > 1: set tsp_size in "
+                          "it, or use a config that does (configs/7b/128k-tsp8.yaml)")
     for name in names:
         config.sizes(get_mode(name).args(values, cp), world_size, source)
 
