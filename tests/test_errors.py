@@ -409,3 +409,14 @@ def test_compare_creates_the_markdown_folder(capsys, tmp_path, run_log):
 
 def test_compare_refuses_a_negative_warmup(capsys, run_log):
     assert "argument --warmup" in one_line(capsys, ["compare", run_log, "--warmup", "-5"], code=2)
+
+
+def test_a_leftover_torchrun_environment_is_one_line(capsys, monkeypatch):
+    """WORLD_SIZE=2 RANK=0 left in a shell without torchrun was an internal error (env:// rendezvous)."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    line = one_line(capsys, ["train", TINY, "--train-iters", "10"])
+    assert "MASTER_ADDR and MASTER_PORT not" in line and "Unset RANK and WORLD_SIZE" in line
+    assert "internal error" not in line

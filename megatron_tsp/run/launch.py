@@ -205,6 +205,11 @@ def job(nproc: int, collective_timeout_min: float = 10.0, timeout_s: float = DEF
     if under_torchrun():
         import torch.distributed as dist
 
+        missing = [key for key in ("MASTER_ADDR", "MASTER_PORT") if key not in os.environ]
+        if missing:
+            raise UserError(f"RANK and WORLD_SIZE are set but {' and '.join(missing)} not, as torchrun would: a "
+                            "leftover environment? Unset RANK and WORLD_SIZE for a local run, or launch with torchrun")
+
         from megatron_tsp.device import Device
 
         _DEVICE = Device.from_launch()
