@@ -516,6 +516,9 @@ def _gpu_check_parser(sub, common) -> None:
     p.add_argument("--parts", type=_name_list, default="gemm,backends,modes",
                    help="comma-separated parts to run: gemm, backends, modes; profile: one more step per mode "
                         "under torch's profiler, its top kernels recorded")
+    p.add_argument("--attention-backend", default="auto",
+                   help="the attention kernel of every mode's step: auto (flash on a GPU), flash, cudnn, efficient, "
+                        "flash_attn")
     p.add_argument("--out", default="bench/results/gpu-check.json", help="results file (JSON)")
     _config_flags(p, ["num_layers", "seq_length", "max_position_embeddings", "micro_batch_size"])
     p.set_defaults(func=_cmd_gpu_check)
@@ -532,10 +535,15 @@ def _cmd_gpu_check(ns: argparse.Namespace) -> int:
                         "run it on a GPU, or rehearse with --config configs/tiny-cpu.yaml")
     config.resolve(dict(config.load_config(path), **config.overrides(ns)))  # one line for a bad config, now
     _write(ns.out, "", "--out")  # and for an output that cannot be written, before any work
+    from megatron_tsp.core.block_attention import BACKENDS
+
+    if ns.attention_backend not in BACKENDS:
+        raise UserError(f"--attention-backend {ns.attention_backend}: choose from {', '.join(BACKENDS)}")
     unknown = sorted(set(ns.parts) - set(gpucheck.PARTS))
     if unknown:
         raise UserError(f"--parts: unknown part {unknown[0]!r}; choose from {', '.join(gpucheck.PARTS)}")
-    result = gpucheck.run(ns.out, path, ns.modes, ns.steps, config.overrides(ns), ns.budget_s, parts=ns.parts)
+    result = gpucheck.run(ns.out, path, ns.modes, ns.steps, config.overrides(ns), ns.budget_s, parts=ns.parts,
+                          attention_backend=ns.attention_backend)
     print(gpucheck.summary(result))
     markdown = os.path.splitext(ns.out)[0] + ".md"
     _write(markdown, gpucheck.table(result) + "\n", "--out")

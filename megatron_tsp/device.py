@@ -57,6 +57,12 @@ class Device:
         """The collective library: NCCL (RCCL on ROCm, under the same name) or gloo."""
         return "nccl" if self.is_gpu else "gloo"
 
+    @property
+    def process_group_device(self) -> Optional[torch.device]:
+        """``init_process_group``'s ``device_id``: a GPU rank's communicator is bound to its GPU
+        (created at once, and megatron's subgroups split from it); None on the CPU (gloo)."""
+        return self.torch if self.is_gpu else None
+
     def activate(self) -> None:
         """Make this the current device (megatron-core allocates on the current device)."""
         if self.is_gpu:

@@ -205,11 +205,12 @@ def _profiled(step: Callable[[], None], device: Device, top: int = 30) -> Dict:
     return found
 
 
-def _measure_mode(args, mode: str, steps: int, device: Device, entry: Dict, profile: bool = False) -> None:
+def _measure_mode(args, mode: str, steps: int, device: Device, entry: Dict, profile: bool = False,
+                  attention_backend: str = "auto") -> None:
     with memory.fake_world(cfg.sizes(args).world_size):
         initialize(args, device, create_gloo_process_groups=False)
         step = stepper(args, device, get_mode(mode), clip_grad=0.0, use_gloo_process_groups=False,
-                       transformer_engine=False)
+                       transformer_engine=False, attention_backend=attention_backend)
         step()  # warm-up; also creates Adam's moments
         device.synchronize()
         device.reset_peak_memory()
@@ -231,7 +232,8 @@ def _measure_mode(args, mode: str, steps: int, device: Device, entry: Dict, prof
 
 
 def check_modes(values: Dict, modes: List[str], steps: int, device: Device, budget_end: float,
-                save: Callable[[], None], result: Dict, profile: bool = False) -> None:
+                save: Callable[[], None], result: Dict, profile: bool = False,
+                attention_backend: str = "auto") -> None:
     part = result.setdefault("modes", {})
     for mode in modes:
         if time.monotonic() > budget_end:
@@ -240,13 +242,13 @@ def check_modes(values: Dict, modes: List[str], steps: int, device: Device, budg
             continue
         entry = part[mode] = {}
         try:
-            planned = memory.plan(dict(values), mode, device=device)
+            planned = memory.plan(dict(values), mode, device=device, attention_backend=attention_backend)
             args = get_mode(mode).args(values)
             entry.update(parallel=planned["parallel"], planned_peak_gib=planned["peak_gib"],
                          planned_by_category_gib=planned["by_category_gib"],
                          flops_per_rank=planned["flops_per_rank"],
-                         attention_kernel=ops.resolve_backend("auto", device.torch, _dtype(args)))
-            _measure_mode(args, mode, steps, device, entry, profile)
+                         attention_kernel=ops.resolve_backend(attention_backend, device.torch, _dtype(args)))
+            _measure_mode(args, mode, steps, device, entry, profile, attention_backend)
         except Exception as exc:  # noqa: BLE001 - out of memory, say: a result, and the next mode runs
             entry["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         finally:
@@ -264,14 +266,14 @@ PARTS = ("gemm", "backends", "modes", "profile")
 
 
 def run(out: str, config_path: str, modes: List[str], steps: int, overrides: Dict, budget_s: float,
-        seqs=SEQS, device: Optional[Device] = None, parts=PARTS) -> Dict:
+        seqs=SEQS, device: Optional[Device] = None, parts=PARTS, attention_backend: str = "auto") -> Dict:
     device = device or Device.from_launch()
     device.activate()
     end = time.monotonic() + budget_s
     values = cfg.load_config(config_path)
     values.update(overrides)
     result: Dict = {"setup": run_record(config=os.path.relpath(config_path), overrides=overrides, modes=modes,
-                                        steps=steps, parts=list(parts)),
+                                        steps=steps, parts=list(parts), attention_backend=attention_backend),
                     "config": os.path.relpath(config_path)}
 
     def save() -> None:
@@ -286,7 +288,7 @@ def run(out: str, config_path: str, modes: List[str], steps: int, overrides: Dic
     if "backends" in parts:
         check_backends(device, seqs, end - budget_s / 2, save, result)  # half the budget at most
     if "modes" in parts:
-        check_modes(values, modes, steps, device, end, save, result, "profile" in parts)
+        check_modes(values, modes, steps, device, end, save, result, "profile" in parts, attention_backend)
     return result
 
 

@@ -214,7 +214,8 @@ def job(nproc: int, collective_timeout_min: float = 10.0, timeout_s: float = DEF
 
         _DEVICE = Device.from_launch()
         _DEVICE.activate()
-        dist.init_process_group(_DEVICE.backend, timeout=datetime.timedelta(minutes=collective_timeout_min))
+        dist.init_process_group(_DEVICE.backend, timeout=datetime.timedelta(minutes=collective_timeout_min),
+                                device_id=_DEVICE.process_group_device)
         try:
             yield Job(dist.get_world_size(), dist.get_rank(), lambda fn, *args, **kw: [fn(*args, **kw)], torchrun=True)
         finally:
@@ -292,7 +293,8 @@ def _worker(rank: int, world_size: int, port: int, conn: Connection, path: List[
         try:
             # A fresh world group per task, rendezvous keys scoped to the task.
             dist.init_process_group(_DEVICE.backend, store=dist.PrefixStore(f"task{task_id}", store),
-                                    rank=rank, world_size=world_size, timeout=timeout)
+                                    rank=rank, world_size=world_size, timeout=timeout,
+                                    device_id=_DEVICE.process_group_device)
             result = fn(*args, **kwargs)
             conn.send(("ok", result))
         except BaseException as exc:  # noqa: BLE001 - the parent decides what to do with it
