@@ -213,7 +213,7 @@ class TSPSelfAttention(SelfAttention):
             freqs = rotary_pos_emb[indices.local_positions]
         chunk = hidden_states.size(0) // 2 if d_size > 1 else hidden_states.size(0)
         backend = resolve_backend(self.attention_backend, hidden_states.device, hidden_states.dtype,
-                                  planned=is_fake(hidden_states))
+                                  planned=is_fake(hidden_states), keys=seq_len)
         aligned = bottom_right(backend, hidden_states.device, hidden_states.dtype, planned=is_fake(hidden_states))
         blocks = zigzag_blocks(d_size, rank, chunk, aligned) if d_size > 1 else \
             [(0, chunk, 0, chunk, True)]

@@ -41,8 +41,9 @@ with grouped-query K/V (fewer k/v heads):
 * ``cpu``: aten's CPU flash kernel and its backward;
 * ``math``: softmax attention written out (fp32 scores), the reference of the tests.
 
-``auto`` (:func:`resolve_backend`) is ``flash`` on a GPU for fp16/bf16, ``efficient`` for
-fp32, ``cpu`` on the CPU: decided by the tensors' device and dtype at the first call; ``gpu``
+``auto`` (:func:`resolve_backend`) is, on a GPU for fp16/bf16, ``cudnn`` from
+:data:`AUTO_CUDNN_FROM_KEYS` keys on (NVIDIA, where it runs) and ``flash`` below; ``efficient``
+for fp32, ``cpu`` on the CPU: decided by the device, dtype and sequence length; ``gpu``
 is what ``auto`` picks on a GPU, on the memory planner's fake tensors wherever they live. The
 first use of a GPU backend on a device and dtype checks it (:func:`check_backend`) in the
 real layout against ``math``, and learns whether its causal mask is aligned bottom-right.
@@ -52,7 +53,7 @@ from __future__ import annotations
 
 import inspect
 from functools import lru_cache
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -64,6 +65,13 @@ GPU_BACKENDS = ("flash", "cudnn", "efficient", "flash_attn")
 HALF_ONLY = ("flash", "cudnn", "flash_attn")
 
 Block = Tuple[int, int, int, int, bool]  # query rows [q0, q1), key rows [k0, k1), causal
+
+# ``auto`` on an NVIDIA GPU in fp16/bf16: cuDNN's attention from this many keys, flash below. On
+# one H200 with torch 2.11 (bench/results/gpu-check-H200-run1.md: one TSP head group, fwd+bwd)
+# flash took 1.98 / 3.73 / 25.1 ms at 8K / 32K / 128K keys and cuDNN 2.86 / 3.17 / 14.0; the 7B's
+# whole step at 128K ran 1.6x faster on cuDNN in TSP and TP+SP alike (gpu-check-H200-2layers-*).
+# TransformerEngine, which Megatron-LM's baselines run, prefers cuDNN's fused attention on Hopper too.
+AUTO_CUDNN_FROM_KEYS = 16384
 
 
 def blocks(chunk_ids: Sequence[int], chunk: int, bottom_right: bool = False) -> List[Block]:
@@ -331,11 +339,17 @@ def validate_backend(name: str) -> str:
     return name
 
 
-def resolve_backend(name: str, device: torch.device, dtype: torch.dtype, planned: bool = False) -> str:
+def resolve_backend(name: str, device: torch.device, dtype: torch.dtype, planned: bool = False,
+                    keys: Optional[int] = None) -> str:
     """The kernel a backend name means on ``device`` for ``dtype`` (``auto``: the fastest
-    there is; ``gpu``: what ``auto`` picks on a GPU), or a one-line ValueError when the
-    kernel cannot run there. ``planned``: the tensors are fake (the memory planner), and a
-    GPU kernel's meta function runs on any device."""
+    there is, for attention over ``keys`` keys where given; ``gpu``: what ``auto`` picks on a
+    GPU), or a one-line ValueError when the kernel cannot run there. ``planned``: the tensors
+    are fake (the memory planner), and a GPU kernel's meta function runs on any device.
+
+    ``auto`` on a GPU in fp16/bf16 is cuDNN's attention from :data:`AUTO_CUDNN_FROM_KEYS` keys
+    on where it runs here (NVIDIA, and the first use's check passes), else flash; fp32 is the
+    memory-efficient kernel. Every mode resolves the same name at the same sequence length to
+    the same kernel."""
     gpu = device.type == "cuda" or planned
     if name == "gpu" and not gpu:
         raise ValueError("attention backend 'gpu' plans a GPU's kernels, on fake tensors only (the memory planner); "
@@ -343,7 +357,10 @@ def resolve_backend(name: str, device: torch.device, dtype: torch.dtype, planned
     if name == "auto" and device.type != "cuda":
         return "cpu"
     if name in ("auto", "gpu"):
-        return "flash" if dtype in (torch.float16, torch.bfloat16) else "efficient"
+        if dtype not in (torch.float16, torch.bfloat16):
+            return "efficient"
+        long = keys is not None and keys >= AUTO_CUDNN_FROM_KEYS
+        return "cudnn" if long and _cudnn_runs(device, dtype, planned) else "flash"
     if name in GPU_BACKENDS and not gpu:
         raise ValueError(f"attention backend {name!r} runs on CUDA/ROCm GPUs only (tensors on {device.type}); "
                          "use 'auto'")
@@ -352,6 +369,27 @@ def resolve_backend(name: str, device: torch.device, dtype: torch.dtype, planned
     if name in HALF_ONLY and dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"attention backend {name!r} takes fp16/bf16 only (got {dtype}); use 'auto' or 'efficient'")
     return name
+
+
+_CUDNN_RUNS: Dict[Tuple[str, torch.dtype], bool] = {}
+
+
+def _cudnn_runs(device: torch.device, dtype: torch.dtype, planned: bool) -> bool:
+    """Whether ``auto`` may take cuDNN's attention: never on ROCm (torch has none there); on
+    fake tensors as on an NVIDIA GPU; on a real one when its check passes (an older GPU or
+    cuDNN raises there, and ``auto`` takes flash)."""
+    if getattr(torch.version, "hip", None):
+        return False
+    if planned:
+        return True
+    key = (device.type, dtype)
+    if key not in _CUDNN_RUNS:
+        try:
+            check_backend("cudnn", device, dtype)
+            _CUDNN_RUNS[key] = True
+        except RuntimeError:
+            _CUDNN_RUNS[key] = False
+    return _CUDNN_RUNS[key]
 
 
 _CHECKED: Dict[Tuple[str, str, torch.dtype], bool] = {}  # (backend, device type, dtype) -> bottom_right
@@ -583,8 +621,8 @@ def block_attention(query, keys, values, chunk_ids: Sequence[int], scale: float,
     differentiable by the op's own backward (from the saved lse)."""
     q, k, v = _bhsd(query, keys, values)
     planned = is_fake(query)
-    aligned = bottom_right(resolve_backend(backend, query.device, query.dtype, planned=planned), query.device,
-                           query.dtype, planned=planned)
+    backend = resolve_backend(backend, query.device, query.dtype, planned=planned, keys=keys.size(0))
+    aligned = bottom_right(backend, query.device, query.dtype, planned=planned)
     chunk_blocks = blocks(chunk_ids, q.size(2) // len(chunk_ids), aligned)
     out, _ = _block_attention(q, k, v, _flat(chunk_blocks), float(scale), backend)
     return out.permute(2, 0, 1, 3)

@@ -247,7 +247,8 @@ def check_modes(values: Dict, modes: List[str], steps: int, device: Device, budg
             entry.update(parallel=planned["parallel"], planned_peak_gib=planned["peak_gib"],
                          planned_by_category_gib=planned["by_category_gib"],
                          flops_per_rank=planned["flops_per_rank"],
-                         attention_kernel=ops.resolve_backend(attention_backend, device.torch, _dtype(args)))
+                         attention_kernel=ops.resolve_backend(attention_backend, device.torch, _dtype(args),
+                                                              keys=args.seq_length))
             _measure_mode(args, mode, steps, device, entry, profile, attention_backend)
         except Exception as exc:  # noqa: BLE001 - out of memory, say: a result, and the next mode runs
             entry["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
