@@ -517,8 +517,8 @@ def _gpu_check_parser(sub, common) -> None:
                    help="comma-separated parts to run: gemm, backends, modes; profile: one more step per mode "
                         "under torch's profiler, its top kernels recorded")
     p.add_argument("--attention-backend", default="auto",
-                   help="the attention kernel of every mode's step: auto (flash on a GPU), flash, cudnn, efficient, "
-                        "flash_attn")
+                   help="the attention kernel of every mode's step: auto (on a GPU cuDNN from 16K keys, else "
+                        "flash), flash, cudnn, efficient, flash_attn")
     p.add_argument("--out", default="bench/results/gpu-check.json", help="results file (JSON)")
     _config_flags(p, ["num_layers", "seq_length", "max_position_embeddings", "micro_batch_size"])
     p.set_defaults(func=_cmd_gpu_check)
