@@ -6,6 +6,7 @@ start from the same loss (those through the training loop on the tests' worker p
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -139,3 +140,25 @@ def test_ring_mlp_in_tp_sp_trains_from_the_same_loss(ranks, tmp_path, uninterrup
     first, second = _records(log)
     assert abs(first["loss"] - uninterrupted[1]["loss"]) <= 1e-5 * uninterrupted[1]["loss"]
     assert abs(second["loss"] - uninterrupted[2]["loss"]) <= 1e-4 * uninterrupted[2]["loss"]
+
+
+def test_a_resume_with_another_schedule_or_batch_says_so(ranks, tmp_path, killed, uninterrupted):
+    """Megatron-LM's rules: another LR schedule needs --override-opt-param-scheduler (this run's)
+    or --use-checkpoint-opt-param-scheduler (the checkpoint's); another global batch would skip
+    data (iteration 11 of batch 16 reads samples 160-175). Both were silent."""
+    _, pristine, saved = killed
+    log = tmp_path / "resumed.jsonl"
+    for overrides, words in (({"lr": 1e-2}, "--lr 0.003 there, 0.01 here"),
+                             ({"lr_warmup_iters": 2}, "--lr-warmup-iters 5 there, 2 here"),
+                             ({"global_batch_size": 16}, "--global-batch-size 8, this run has 16")):
+        with pytest.raises(Exception, match=re.escape(words)):
+            ranks(1, _train_logged, dict(tsp_size=1, load=str(pristine), train_iters=saved + 1, **overrides),
+                  tmp_path, log)
+    # this run's schedule on request: the LR the uninterrupted run would not have used
+    ranks(1, _train_logged, dict(tsp_size=1, load=str(pristine), train_iters=saved + 1, lr=1e-2,
+                                 override_opt_param_scheduler=True), tmp_path, log)
+    assert _records(log)[-1]["lr"] != uninterrupted[saved + 1]["lr"]
+    # the checkpoint's on request: the uninterrupted run's LR
+    ranks(1, _train_logged, dict(tsp_size=1, load=str(pristine), train_iters=saved + 1, lr=1e-2,
+                                 use_checkpoint_opt_param_scheduler=True), tmp_path, log)
+    assert _records(log)[-1]["lr"] == uninterrupted[saved + 1]["lr"]

@@ -110,6 +110,9 @@ ARGUMENTS: Dict[str, Arg] = {
     "exit_signal_handler": _b("on SIGTERM (preemption, scancel, a time limit) finish the step, save, exit 0"),
     "exit_duration_in_mins": Arg(int, None, "save and exit after this many minutes of training"),
     "exit_interval": Arg(int, None, "save and exit at the first iteration divisible by this"),
+    # resuming with another learning-rate or weight-decay schedule (Megatron-LM's choice of two)
+    "override_opt_param_scheduler": _b("on --load, take this run's schedule over the checkpoint's"),
+    "use_checkpoint_opt_param_scheduler": _b("on --load, keep the checkpoint's schedule over this run's"),
 }
 
 # Keys whose value names no Megatron-LM flag (read by megatron_tsp only).
@@ -317,6 +320,9 @@ def sizes(ns: argparse.Namespace, world_size: Optional[int] = None, source: str 
 def check_combinations(ns: argparse.Namespace) -> None:
     """Impossible combinations, each naming its key, after what TSP does not support
     (:mod:`megatron_tsp.core.support`, the only statement of it)."""
+    if ns.override_opt_param_scheduler and ns.use_checkpoint_opt_param_scheduler:
+        raise ConfigError(f"{_named('override_opt_param_scheduler')} and "
+                          f"{_named('use_checkpoint_opt_param_scheduler')} exclude each other; choose one")
     layout = sizes(ns)
     tsp_settings = {rule.flag: getattr(ns, rule.key) for rule in RULES if rule.key in ARGUMENTS}
     for message in violations(tsp_settings, layout.tsp, name=lambda rule: _named(rule.key)):

@@ -24,7 +24,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
 from megatron_tsp.device import Device
-from megatron_tsp.errors import TrainingStopped
+from megatron_tsp.errors import CheckpointError, TrainingStopped
 from megatron_tsp.run import checkpointing, data, modes, step
 from megatron_tsp.run.build import build, initialize, model_args
 from megatron_tsp.run.flops import flops_per_sequence_from_args
@@ -142,7 +142,42 @@ def scheduler_for(args, optimizer) -> OptimizerParamScheduler:
         lr_warmup_steps=args.lr_warmup_iters, lr_decay_steps=args.lr_decay_iters,
         lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay, end_wd=args.weight_decay,
         wd_incr_steps=args.train_iters, wd_incr_style="constant",
+        # check_resume has refused a difference neither flag accepts: megatron-core keeps the
+        # checkpoint's values unless overridden
+        override_opt_param_scheduler=bool(args.override_opt_param_scheduler),
+        use_checkpoint_opt_param_scheduler=not args.override_opt_param_scheduler,
     )
+
+
+def _global_batch(args) -> int:
+    return args.global_batch_size or args.micro_batch_size * mpu.get_data_parallel_world_size()
+
+
+# The scheduler's settings a checkpoint keeps, and the flags that set them here (weight decay is
+# constant, so its increment steps, --train-iters, change nothing).
+_SCHEDULE = {"max_lr": "--lr", "min_lr": "--min-lr", "lr_warmup_steps": "--lr-warmup-iters",
+             "lr_decay_steps": "--lr-decay-iters (default --train-iters)", "lr_decay_style": "--lr-decay-style",
+             "start_wd": "--weight-decay"}
+
+
+def check_resume(args, path: str, common: Dict[str, Any], scheduler: OptimizerParamScheduler) -> None:
+    """Megatron-LM's rules for a resume: another schedule needs --override-opt-param-scheduler
+    (this run's) or --use-checkpoint-opt-param-scheduler (the checkpoint's), and the data
+    position is counted in iterations of the checkpoint's global batch. One line each."""
+    saved_batch, batch = common.get("global_batch_size"), _global_batch(args)
+    if saved_batch is not None and saved_batch != batch:
+        raise CheckpointError(f"checkpoint {path} was trained with --global-batch-size {saved_batch}, this run has "
+                              f"{batch}: the data it resumes from is counted in batches of {saved_batch} (another "
+                              f"size would skip or repeat samples); resume with --global-batch-size {saved_batch}")
+    if args.override_opt_param_scheduler or args.use_checkpoint_opt_param_scheduler:
+        return
+    here = scheduler.state_dict()
+    differ = [f"{flag} {common['scheduler'][key]!r} there, {here[key]!r} here"
+              for key, flag in _SCHEDULE.items() if common["scheduler"].get(key) != here[key]]
+    if differ:
+        raise CheckpointError(f"checkpoint {path} was trained with another schedule ({'; '.join(differ)}); give "
+                              "--override-opt-param-scheduler to take this run's or "
+                              "--use-checkpoint-opt-param-scheduler to keep the checkpoint's")
 
 
 def resume(args, device: Device, model, optimizer, scheduler) -> int:
@@ -155,7 +190,12 @@ def resume(args, device: Device, model, optimizer, scheduler) -> int:
         return 0
     path, _ = found
     common, rng = checkpointing.load(path, model, optimizer, per_rank=True, model_args=model_args(args))
+    check_resume(args, path, common, scheduler)
     scheduler.load_state_dict(common["scheduler"])
+    if args.override_opt_param_scheduler:  # the loaded optimizer's groups carry the checkpoint's LR range
+        for group in scheduler.optimizer.param_groups:
+            group.update({key: value for key, value in (("max_lr", args.lr), ("min_lr", args.min_lr)) if key in group})
+        scheduler.step(0)
     if rng is not None:
         _set_rng_state(device, rng)
     if dist.get_rank() == 0:
@@ -166,7 +206,8 @@ def resume(args, device: Device, model, optimizer, scheduler) -> int:
 def save(args, device: Device, done: int, model, optimizer, scheduler) -> None:
     path = checkpointing.save_iteration(
         args.save, done, model, optimizer,
-        common={"iteration": done, "scheduler": scheduler.state_dict(), "model_args": model_args(args)},
+        common={"iteration": done, "scheduler": scheduler.state_dict(), "model_args": model_args(args),
+                "global_batch_size": _global_batch(args)},
         per_rank=_rng_state(device))
     if dist.get_rank() == 0:
         print(f" saved checkpoint {path}", flush=True)
@@ -190,7 +231,7 @@ def _train(args, device: Device, exits: EarlyExit, log_path: Optional[str], coll
            ) -> Dict[str, Any]:
     initialize(args, device, distributed_timeout_minutes=collective_timeout_min)
     dp, dp_rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
-    global_batch = args.global_batch_size or args.micro_batch_size * dp
+    global_batch = _global_batch(args)
     num_microbatches = global_batch // (args.micro_batch_size * dp)
     _, model, optimizer = build(args, device)
     scheduler = scheduler_for(args, optimizer)
