@@ -420,3 +420,13 @@ def test_a_leftover_torchrun_environment_is_one_line(capsys, monkeypatch):
     line = one_line(capsys, ["train", TINY, "--train-iters", "10"])
     assert "MASTER_ADDR and MASTER_PORT not" in line and "Unset RANK and WORLD_SIZE" in line
     assert "internal error" not in line
+
+
+def test_saving_over_another_runs_checkpoints_is_refused(capsys, tmp_path):
+    """--save into a directory of another run's checkpoints, without --load, overwrote its
+    iteration with a different model and moved its tracker back, with one megatron notice."""
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "iter_0000020").mkdir(parents=True)
+    (ckpt / checkpointing.TRACKER).write_text("20")
+    line = one_line(capsys, ["train", TINY, "--mock-data", "--save", str(ckpt)])
+    assert f"--save {ckpt} holds checkpoints up to iteration 20 of another run" in line and "--load" in line

@@ -41,7 +41,18 @@ def check_run(args, world_size: int) -> Optional[int]:
         data.check_corpus(args.data_path, tokenizer.vocab_size)
     if args.save:
         check_writable_dir(args.save, "--save")
+        _check_save_root(args.save, args.load)
     return _resume_iteration(args.load)
+
+
+def _check_save_root(save: str, load: Optional[str]) -> None:
+    """A run saves over its own checkpoints only: a ``--save`` that holds checkpoints is
+    refused unless ``--load`` resumes from it (it would overwrite another run's iterations with
+    a different model and move its tracker back)."""
+    found = checkpointing.latest(save)
+    if found and not (load and os.path.isdir(load) and os.path.samefile(load, save)):
+        raise CheckpointError(f"--save {save} holds checkpoints up to iteration {found[1]} of another run; resume "
+                              f"it with --load {save}, or save into another directory")
 
 
 def check_writable_dir(path: str, flag: str) -> None:
