@@ -75,7 +75,7 @@ def test_every_config_field_tsp_does_not_implement_is_refused_away_from_its_defa
     import torch
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_tsp.core.support import check_attention_config, check_mlp_config
+    from megatron_tsp.core.support import CONFIG_DERIVED_DEFAULTS, check_attention_config, check_mlp_config
 
     fields = _default_only_fields()
     names = {f.name for f in fields}
@@ -88,7 +88,13 @@ def test_every_config_field_tsp_does_not_implement_is_refused_away_from_its_defa
     for field in fields:
         default = field.default if field.default is not dataclasses.MISSING else field.default_factory()
         config = dataclasses.replace(base)
-        setattr(config, field.name, _non_default(default))
+        derived = CONFIG_DERIVED_DEFAULTS.get(field.name)
+        if derived:  # what Megatron-LM resolves an unset value to passes; anything else does not
+            setattr(config, field.name, derived(config))
+            check_attention_config(config, 2)
+            setattr(config, field.name, 2 * derived(config))
+        else:
+            setattr(config, field.name, _non_default(default))
         for check, args in ((check_attention_config, (config, 2)), (check_mlp_config, (config, 2, 256))):
             with pytest.raises(ValueError, match=rf"TransformerConfig\.{field.name}=.* leave it at its default") as err:
                 check(*args)

@@ -189,8 +189,12 @@ CONFIG_NEUTRAL = frozenset({
     "dsa_indexer_use_sparse_loss", "linear_attention_freq", "linear_conv_kernel_dim", "linear_key_head_dim",
     "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads", "kitchen_attention_backend",
     "mup_attn_scale_power", "mup_base_head_dim", "mup_base_hidden_size", "mup_embedding_mult", "mup_output_mult",
-    "mup_width_mult", "experimental_attention_variant_loss_scale_func",
+    "mup_width_mult", "experimental_attention_variant_loss_scale_func", "expert_tensor_parallel_num_weight_shards",
+    "expert_gtp_weight_remat_size",
 })
+# Fields whose value Megatron-LM derives from others when the user leaves them unset: at that
+# value they change nothing (megatron-core 0.19's weight sharding beyond TP, resolved to the TP size).
+CONFIG_DERIVED_DEFAULTS = {"tensor_parallel_num_weight_shards": lambda config: config.tensor_model_parallel_size}
 CONFIG_NEUTRAL_PREFIXES = ("moe_", "mtp_", "fp8_", "fp4_", "tp_comm_", "cuda_graph_", "cpu_offloading", "dsa_",
                            "mamba_", "inference_", "fine_grained_offloading_", "_cpu_offloading")
 
@@ -213,7 +217,8 @@ def unlisted_settings(config: TransformerConfig) -> Iterator[Tuple[str, Any, Any
         else:
             continue
         value = getattr(config, name)
-        if value is not default and value != default:
+        derived = CONFIG_DERIVED_DEFAULTS.get(name)
+        if value is not default and value != default and not (derived and value == derived(config)):
             yield name, value, default
 
 
