@@ -99,10 +99,13 @@ def initialize(args, device: Device, seed: bool = True, **megatron_kwargs) -> No
 
 def build(args, device: Device, mode: Optional[Mode] = None, attention_backend: str = "auto",
           clip_grad: Optional[float] = None, use_gloo_process_groups: bool = True, transformer_engine: bool = True,
-          fused_norm: bool = True):
+          fused_norm: bool = True, optimizer_args=None):
     """(TransformerConfig, DDP model chunks, optimizer) of the run on ``device``, as megatron-core
     builds them. ``mode`` defaults to the one ``args`` runs in (``tsp-no-overlap`` is the one
-    it cannot tell); ``transformer_engine``, ``fused_norm``: see :meth:`Mode.spec`."""
+    it cannot tell); ``transformer_engine``, ``fused_norm``: see :meth:`Mode.spec`;
+    ``optimizer_args``: the learning rates to build the optimizer with, where not ``args``'s
+    (:func:`megatron_tsp.run.loop.optimizer_args`)."""
+    lrs = optimizer_args or args
     config = transformer_config(args, device)
     spec = (mode or modes.of(args)).spec(args, config, attention_backend, transformer_engine, fused_norm)
     model = step.build_model(
@@ -118,7 +121,7 @@ def build(args, device: Device, mode: Optional[Mode] = None, attention_backend: 
         ),
     )
     optimizer = step.build_optimizer(model, OptimizerConfig(
-        optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+        optimizer="adam", lr=lrs.lr, min_lr=lrs.min_lr, weight_decay=args.weight_decay,
         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
         clip_grad=args.clip_grad if clip_grad is None else clip_grad,
         bf16=args.bf16, fp16=args.fp16, params_dtype=config.params_dtype,

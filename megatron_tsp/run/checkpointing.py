@@ -209,17 +209,22 @@ def save(path: str, model: List[torch.nn.Module], optimizer=None,
     _write_checksums(path)
 
 
+def read_common(path: str) -> Dict[str, Any]:
+    """The plain entries a checkpoint saved from rank 0 (iteration, scheduler, model args ...)."""
+    try:
+        return dist_checkpointing.load_common_state_dict(path)
+    except Exception as exc:  # noqa: BLE001 - any unpickling failure means the same thing
+        raise CheckpointError(f"{os.path.join(path, 'common.pt')}: cannot be read "
+                              f"({type(exc).__name__}); the checkpoint is damaged") from exc
+
+
 def load(path: str, model: List[torch.nn.Module], optimizer=None,
          per_rank: bool = False, model_args: Optional[Dict[str, Any]] = None) -> Tuple[Dict[str, Any], Any]:
     """Load into ``model`` (and ``optimizer``); return (common entries, this rank's object or
     None when it was not saved or the world size differs). ``model_args``: the shape
     arguments of ``model``, refused with one line if the checkpoint saved different ones."""
     verified = _verify(path)
-    try:
-        common = dist_checkpointing.load_common_state_dict(path)
-    except Exception as exc:  # noqa: BLE001 - any unpickling failure means the same thing
-        raise CheckpointError(f"{os.path.join(path, 'common.pt')}: cannot be read "
-                              f"({type(exc).__name__}); the checkpoint is damaged") from exc
+    common = read_common(path)
     if not verified and "model_args" in common:  # ours: it was saved with a manifest
         raise CheckpointError(f"checkpoint {path}: {CHECKSUMS} is missing from a megatron-tsp checkpoint, so its "
                               "files cannot be verified; resume from another iteration (or restore the file)")

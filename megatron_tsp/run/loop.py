@@ -9,6 +9,7 @@ torchrun, or spawns its own gloo ranks on a machine without GPUs.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import math
@@ -136,12 +137,16 @@ class Logger:
                 f.write(json.dumps(record) + "\n")
 
 
+def _schedule(args) -> Dict[str, Any]:
+    """The learning-rate and weight-decay schedule of ``args``, as the scheduler keeps it."""
+    return dict(max_lr=args.lr, min_lr=args.min_lr, lr_warmup_steps=args.lr_warmup_iters,
+                lr_decay_steps=args.lr_decay_iters, lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay,
+                end_wd=args.weight_decay, wd_incr_steps=args.train_iters, wd_incr_style="constant")
+
+
 def scheduler_for(args, optimizer) -> OptimizerParamScheduler:
     return OptimizerParamScheduler(
-        optimizer, init_lr=0.0 if args.lr_warmup_iters else args.lr, max_lr=args.lr, min_lr=args.min_lr,
-        lr_warmup_steps=args.lr_warmup_iters, lr_decay_steps=args.lr_decay_iters,
-        lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay, end_wd=args.weight_decay,
-        wd_incr_steps=args.train_iters, wd_incr_style="constant",
+        optimizer, init_lr=0.0 if args.lr_warmup_iters else args.lr, **_schedule(args),
         # check_resume has refused a difference neither flag accepts: megatron-core keeps the
         # checkpoint's values unless overridden
         override_opt_param_scheduler=bool(args.override_opt_param_scheduler),
@@ -160,10 +165,11 @@ _SCHEDULE = {"max_lr": "--lr", "min_lr": "--min-lr", "lr_warmup_steps": "--lr-wa
              "start_wd": "--weight-decay"}
 
 
-def check_resume(args, path: str, common: Dict[str, Any], scheduler: OptimizerParamScheduler) -> None:
+def check_resume(args, path: str, common: Dict[str, Any]) -> None:
     """Megatron-LM's rules for a resume: another schedule needs --override-opt-param-scheduler
     (this run's) or --use-checkpoint-opt-param-scheduler (the checkpoint's), and the data
-    position is counted in iterations of the checkpoint's global batch. One line each."""
+    position is counted in iterations of the checkpoint's global batch. One line each, before
+    anything is loaded."""
     saved_batch, batch = common.get("global_batch_size"), _global_batch(args)
     if saved_batch is not None and saved_batch != batch:
         raise CheckpointError(f"checkpoint {path} was trained with --global-batch-size {saved_batch}, this run has "
@@ -171,13 +177,26 @@ def check_resume(args, path: str, common: Dict[str, Any], scheduler: OptimizerPa
                               f"size would skip or repeat samples); resume with --global-batch-size {saved_batch}")
     if args.override_opt_param_scheduler or args.use_checkpoint_opt_param_scheduler:
         return
-    here = scheduler.state_dict()
+    here = _schedule(args)
     differ = [f"{flag} {common['scheduler'][key]!r} there, {here[key]!r} here"
               for key, flag in _SCHEDULE.items() if common["scheduler"].get(key) != here[key]]
     if differ:
         raise CheckpointError(f"checkpoint {path} was trained with another schedule ({'; '.join(differ)}); give "
                               "--override-opt-param-scheduler to take this run's or "
                               "--use-checkpoint-opt-param-scheduler to keep the checkpoint's")
+
+
+def optimizer_args(args):
+    """The arguments to build the optimizer with: ``args``, or on a resume that takes another
+    schedule with the LR range the checkpoint's optimizer groups were saved with (megatron-core
+    0.19 finds a saved group by its learning rates; :func:`resume` sets this run's afterwards)."""
+    found = checkpointing.latest(args.load)
+    if not found:
+        return args
+    common = checkpointing.read_common(found[0])
+    check_resume(args, found[0], common)
+    saved = common["scheduler"]
+    return argparse.Namespace(**dict(vars(args), lr=saved["max_lr"], min_lr=saved["min_lr"]))
 
 
 def resume(args, device: Device, model, optimizer, scheduler) -> int:
@@ -190,7 +209,6 @@ def resume(args, device: Device, model, optimizer, scheduler) -> int:
         return 0
     path, _ = found
     common, rng = checkpointing.load(path, model, optimizer, per_rank=True, model_args=model_args(args))
-    check_resume(args, path, common, scheduler)
     scheduler.load_state_dict(common["scheduler"])
     if args.override_opt_param_scheduler:  # the loaded optimizer's groups carry the checkpoint's LR range
         for group in scheduler.optimizer.param_groups:
@@ -233,7 +251,7 @@ def _train(args, device: Device, exits: EarlyExit, log_path: Optional[str], coll
     dp, dp_rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
     global_batch = _global_batch(args)
     num_microbatches = global_batch // (args.micro_batch_size * dp)
-    _, model, optimizer = build(args, device)
+    _, model, optimizer = build(args, device, optimizer_args=optimizer_args(args))
     scheduler = scheduler_for(args, optimizer)
     start = resume(args, device, model, optimizer, scheduler)
     dataset = data.build_train_dataset(args, args.train_iters * global_batch, dp)
