@@ -533,8 +533,6 @@ def _cmd_gpu_check(ns: argparse.Namespace) -> int:
     if ns.config is None and not Device.from_launch().is_gpu:
         raise UserError("gpu-check: no GPU here, and its default 7B/128K job would run for hours on the CPU; "
                         "run it on a GPU, or rehearse with --config configs/tiny-cpu.yaml")
-    config.resolve(dict(config.load_config(path), **config.overrides(ns)))  # one line for a bad config, now
-    _write(ns.out, "", "--out")  # and for an output that cannot be written, before any work
     from megatron_tsp.core.block_attention import BACKENDS
 
     if ns.attention_backend not in BACKENDS:
@@ -542,6 +540,8 @@ def _cmd_gpu_check(ns: argparse.Namespace) -> int:
     unknown = sorted(set(ns.parts) - set(gpucheck.PARTS))
     if unknown:
         raise UserError(f"--parts: unknown part {unknown[0]!r}; choose from {', '.join(gpucheck.PARTS)}")
+    config.resolve(dict(config.load_config(path), **config.overrides(ns)))  # one line for a bad config, now
+    _write(ns.out, "", "--out")  # and for an output that cannot be written, before any work
     result = gpucheck.run(ns.out, path, ns.modes, ns.steps, config.overrides(ns), ns.budget_s, parts=ns.parts,
                           attention_backend=ns.attention_backend)
     print(gpucheck.summary(result))

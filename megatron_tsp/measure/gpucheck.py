@@ -46,7 +46,7 @@ from megatron_tsp.device import Device
 from megatron_tsp.env import run_record
 from megatron_tsp.measure import memory
 from megatron_tsp.run import config as cfg
-from megatron_tsp.run.build import initialize, stepper
+from megatron_tsp.run.build import initialize, params_dtype, stepper
 from megatron_tsp.run.modes import get_mode
 
 SEQS = (8192, 32768, 131072)
@@ -176,10 +176,6 @@ def check_backends(device: Device, seqs, budget_end: float, save: Callable[[], N
         save()
 
 
-def _dtype(args) -> torch.dtype:
-    return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
-
-
 def _profiled(step: Callable[[], None], device: Device, top: int = 30) -> Dict:
     """One more step under torch's profiler: the ops that took the most device time (on the
     CPU, CPU time) and, on a GPU, the kernels, by name, with their calls and milliseconds."""
@@ -247,7 +243,7 @@ def check_modes(values: Dict, modes: List[str], steps: int, device: Device, budg
             entry.update(parallel=planned["parallel"], planned_peak_gib=planned["peak_gib"],
                          planned_by_category_gib=planned["by_category_gib"],
                          flops_per_rank=planned["flops_per_rank"],
-                         attention_kernel=ops.resolve_backend(attention_backend, device.torch, _dtype(args),
+                         attention_kernel=ops.resolve_backend(attention_backend, device.torch, params_dtype(args),
                                                               keys=args.seq_length))
             _measure_mode(args, mode, steps, device, entry, profile, attention_backend)
         except Exception as exc:  # noqa: BLE001 - out of memory, say: a result, and the next mode runs
@@ -273,9 +269,10 @@ def run(out: str, config_path: str, modes: List[str], steps: int, overrides: Dic
     end = time.monotonic() + budget_s
     values = cfg.load_config(config_path)
     values.update(overrides)
-    result: Dict = {"setup": run_record(config=os.path.relpath(config_path), overrides=overrides, modes=modes,
-                                        steps=steps, parts=list(parts), attention_backend=attention_backend),
-                    "config": os.path.relpath(config_path)}
+    config = os.path.relpath(config_path)
+    result: Dict = {"setup": run_record(config=config, overrides=overrides, modes=modes, steps=steps,
+                                        parts=list(parts), attention_backend=attention_backend),
+                    "config": config}
 
     def save() -> None:
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)

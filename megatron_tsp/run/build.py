@@ -21,11 +21,16 @@ from megatron_tsp.run.compat import enable_cpu_support
 from megatron_tsp.run.modes import Mode
 
 
+def params_dtype(args) -> torch.dtype:
+    """The model's dtype: bf16, fp16 or fp32 as ``args`` train."""
+    return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+
+
 def transformer_config(args, device: Device) -> TransformerConfig:
     """``use_cpu_initialization`` on the CPU, and where asked for (``--use-cpu-initialization``:
     the same weights at every TP/TSP size, what a comparison of modes needs); else megatron
     initialises each shard on the GPU."""
-    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+    dtype = params_dtype(args)
     recompute = {}
     if args.recompute_granularity:
         recompute = dict(recompute_granularity=args.recompute_granularity,
