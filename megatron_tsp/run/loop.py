@@ -186,28 +186,25 @@ def check_resume(args, path: str, common: Dict[str, Any]) -> None:
                               "--use-checkpoint-opt-param-scheduler to keep the checkpoint's")
 
 
-def optimizer_args(args):
-    """The arguments to build the optimizer with: ``args``, or on a resume that takes another
-    schedule with the LR range the checkpoint's optimizer groups were saved with (megatron-core
-    0.19 finds a saved group by its learning rates; :func:`resume` sets this run's afterwards)."""
-    found = checkpointing.latest(args.load)
-    if not found:
+def optimizer_args(args, path: Optional[str]):
+    """The arguments to build the optimizer with: ``args``, or on a resume from ``path`` with
+    the LR range the checkpoint's optimizer groups were saved with (megatron-core 0.19 finds a
+    saved group by its learning rates; :func:`resume` sets this run's afterwards where asked)."""
+    if path is None:
         return args
-    common = checkpointing.read_common(found[0])
-    check_resume(args, found[0], common)
+    common = checkpointing.read_common(path)
+    check_resume(args, path, common)
     saved = common["scheduler"]
     return argparse.Namespace(**dict(vars(args), lr=saved["max_lr"], min_lr=saved["min_lr"]))
 
 
-def resume(args, device: Device, model, optimizer, scheduler) -> int:
-    """Load the newest checkpoint under ``--load`` (model, optimizer, scheduler, RNGs); the
-    iteration to start from."""
-    found = checkpointing.latest(args.load)
-    if not found:
+def resume(args, device: Device, path: Optional[str], model, optimizer, scheduler) -> int:
+    """Load the checkpoint at ``path``, the newest under ``--load`` (model, optimizer,
+    scheduler, RNGs); the iteration to start from."""
+    if path is None:
         if args.load and dist.get_rank() == 0:
             print(f" no checkpoint in {args.load}; starting from scratch", flush=True)
         return 0
-    path, _ = found
     common, rng = checkpointing.load(path, model, optimizer, per_rank=True, model_args=model_args(args))
     scheduler.load_state_dict(common["scheduler"])
     if args.override_opt_param_scheduler:  # the loaded optimizer's groups carry the checkpoint's LR range
@@ -251,9 +248,11 @@ def _train(args, device: Device, exits: EarlyExit, log_path: Optional[str], coll
     dp, dp_rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
     global_batch = _global_batch(args)
     num_microbatches = global_batch // (args.micro_batch_size * dp)
-    _, model, optimizer = build(args, device, optimizer_args=optimizer_args(args))
+    found = checkpointing.latest(args.load)
+    path = found[0] if found else None
+    _, model, optimizer = build(args, device, optimizer_args=optimizer_args(args, path))
     scheduler = scheduler_for(args, optimizer)
-    start = resume(args, device, model, optimizer, scheduler)
+    start = resume(args, device, path, model, optimizer, scheduler)
     dataset = data.build_train_dataset(args, args.train_iters * global_batch, dp)
     transform = modes.of(args).batch_transform(args)
     flops_per_step = flops_per_sequence_from_args(args, data.padded_vocab(args)) * global_batch
