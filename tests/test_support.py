@@ -30,16 +30,6 @@ def test_configs_read_the_same_rows():
     assert str(exc.value) == rule.message(0.1, 2, "'attention_dropout' (--attention-dropout)")
 
 
-@pytest.mark.parametrize("layout", [dict(tsp_size=2), dict(tensor_model_parallel_size=2, sequence_parallel=True,
-                                                         ring_mlp=True)], ids=["tsp", "ring-mlp"])
-def test_overlap_param_gather_is_refused_where_layers_skip_megatrons_pre_hooks(layout):
-    with pytest.raises(config.ConfigError, match=r"'overlap_param_gather' \(--overlap-param-gather\) cannot be used"):
-        config.resolve(dict(mock_data=True, vocab_size=256, attention_dropout=0.0, overlap_param_gather=True,
-                            use_distributed_optimizer=True, **layout))
-    config.resolve(dict(mock_data=True, vocab_size=256, overlap_param_gather=True, use_distributed_optimizer=True,
-                        tensor_model_parallel_size=2, sequence_parallel=True))  # stock TP+SP runs its hooks
-
-
 def _non_default(value):
     """A value of the same kind as a field's default, other than it."""
     if isinstance(value, bool):

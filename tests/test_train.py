@@ -162,3 +162,38 @@ def test_a_resume_with_another_schedule_or_batch_says_so(ranks, tmp_path, killed
     ranks(1, _train_logged, dict(tsp_size=1, load=str(pristine), train_iters=saved + 1, lr=1e-2,
                                  use_checkpoint_opt_param_scheduler=True), tmp_path, log)
     assert _records(log)[-1]["lr"] == uninterrupted[saved + 1]["lr"]
+
+
+@pytest.mark.parametrize("layout", [dict(tsp_size=2), dict(tsp_size=1, tensor_model_parallel_size=2,
+                                                         sequence_parallel=True, ring_mlp=True)],
+                         ids=["tsp", "ring-mlp"])
+def test_overlap_param_gather_over_several_buckets_trains_as_without_it(ranks, tmp_path, uninterrupted, layout):
+    """DP=2 with the distributed optimizer and a bucket for each parameter (so that the norms,
+    which TSP calls, share none with the linear weights, which it reads). Under
+    --overlap-param-gather megatron waits for a bucket's all-gather, and starts the next one's,
+    in the forward pre-hooks of the modules that own its parameters. TSP's schedules read those
+    weights without calling their modules: they must run the hooks, or they compute on weights
+    this rank did not update. A checkpoint saved under it holds the gathered weights: resumed
+    without it, the run goes on with the losses of a run that never used it. (``uninterrupted``:
+    its command line writes the corpus.)"""
+    dp2 = dict(layout, use_distributed_optimizer=True, overlap_grad_reduce=True, ddp_bucket_size=1)
+    plain, overlapped, resumed = (tmp_path / f"{name}.jsonl" for name in ("plain", "overlapped", "resumed"))
+    ckpt = tmp_path / "ckpt"
+    ranks(4, _train_logged, dict(dp2, train_iters=4), tmp_path, plain)
+    ranks(4, _train_logged, dict(dp2, train_iters=2, overlap_param_gather=True, save=str(ckpt)), tmp_path,
+          overlapped)
+    ranks(4, _train_logged, dict(dp2, train_iters=4, load=str(ckpt)), tmp_path, resumed)
+    got = [(r["iteration"], r["loss"], r["grad_norm"]) for r in _records(overlapped) + _records(resumed)]
+    assert got == [(r["iteration"], r["loss"], r["grad_norm"]) for r in _records(plain)]
+
+
+def test_overlap_param_gather_needs_the_distributed_optimizer_and_overlapped_reduce():
+    from megatron_tsp.run import config
+
+    for missing in ("use_distributed_optimizer", "overlap_grad_reduce"):
+        values = dict(mock_data=True, vocab_size=256, overlap_param_gather=True, use_distributed_optimizer=True,
+                      overlap_grad_reduce=True)
+        values[missing] = False
+        with pytest.raises(config.ConfigError, match=r"'overlap_param_gather' \(--overlap-param-gather\) needs "
+                                                     r"use_distributed_optimizer and overlap_grad_reduce"):
+            config.resolve(values)

@@ -18,9 +18,9 @@ rank, so every rank posts the same collectives in the same order):
 
 A transfer taken by another module than the one it was posted for (a schedule this does not
 foresee) is waited for and dropped: it costs its bytes, never correctness. A posted shard is
-the next module's parameters as they are when posted: with megatron's
-``--overlap-param-gather`` their gather would have to be finished by then, which nothing
-arranges: the support matrix refuses that flag (``core/support.py``).
+the next module's parameters as they are when posted: reading them runs that module's
+forward pre-hooks, where megatron's ``--overlap-param-gather`` waits for their all-gather
+(:func:`megatron_tsp.core.streaming.run_forward_pre_hooks`).
 """
 
 from __future__ import annotations

@@ -37,9 +37,25 @@ from megatron_tsp.core import comm
 Shard = List[torch.Tensor]
 
 
+def run_forward_pre_hooks(module: torch.nn.Module) -> None:
+    """What calling ``module`` would run before its forward, for a module whose weights a
+    schedule reads without calling it. megatron's DDP waits there, under
+    ``--overlap-param-gather``, for the distributed optimizer's all-gather of the module's
+    parameters and starts the next bucket's (``DistributedDataParallel._make_forward_pre_hook``);
+    without it TSP would compute on stale or half-gathered weights."""
+    for key, hook in list(module._forward_pre_hooks.items()):
+        if key in module._forward_pre_hooks_with_kwargs:
+            hook(module, (), {})
+        else:
+            hook(module, ())
+
+
 def linear_pair_shard(first: torch.nn.Module, second: torch.nn.Module) -> Shard:
     """A layer's shard as it travels: the first linear's weight (and bias: it is split
-    with the weight) and the second linear's weight (its bias is replicated, not sent)."""
+    with the weight) and the second linear's weight (its bias is replicated, not sent).
+    Reading them stands in for calling both modules (:func:`run_forward_pre_hooks`)."""
+    run_forward_pre_hooks(first)
+    run_forward_pre_hooks(second)
     return [first.weight] + ([first.bias] if first.bias is not None else []) + [second.weight]
 
 

@@ -122,8 +122,6 @@ RULES: List[Rule] = [
     _feature("--window-size", "sliding-window attention is not implemented", layer="attention"),
     _feature("--mrope-section", "multimodal RoPE is not implemented", layer="attention"),
     _feature("--use-te-activation-func", "the ring MLP applies the activation itself", layer="mlp"),
-    _feature("--overlap-param-gather", "TSP's layers send their weights without running the forward pre-hooks that "
-             "wait for the distributed optimizer's parameter all-gather", "drop --overlap-param-gather", attr=None),
     Rule("--hybrid-layer-pattern", "Mamba, gated delta net, MLA, DSA and MoE layers are not TSP layers",
          "use attention (*) and MLP (-) layers, with | between pipeline stages",
          ok=lambda v, d: v is None or set(v) <= set("*-|"), must="attention (*) and MLP (-) layers only",

@@ -122,6 +122,7 @@ def build(args, device: Device, mode: Optional[Mode] = None, attention_backend: 
             use_distributed_optimizer=args.use_distributed_optimizer,
             overlap_grad_reduce=args.overlap_grad_reduce,
             overlap_param_gather=args.overlap_param_gather,
+            bucket_size=args.ddp_bucket_size,
             grad_reduce_in_fp32=args.bf16 or args.fp16,
         ),
     )

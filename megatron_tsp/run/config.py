@@ -71,7 +71,9 @@ ARGUMENTS: Dict[str, Arg] = {
     "pipeline_model_parallel_size": Arg(int, 1, "pipeline parallel size"),
     "use_distributed_optimizer": _b("shard optimizer state over data parallel"),
     "overlap_grad_reduce": _b("overlap DP gradient reduce with backward"),
-    "overlap_param_gather": _b("overlap DP parameter gather with forward"),
+    "overlap_param_gather": _b("overlap DP parameter gather with forward (distributed optimizer)"),
+    "ddp_bucket_size": Arg(int, None, "parameters per DP communication bucket (default: megatron's, "
+                                      "max(40M, 1M x DP))"),
     # training
     "micro_batch_size": Arg(int, 1, "micro-batch size"),
     "global_batch_size": Arg(int, None, "global batch size (default micro x DP)"),
@@ -255,7 +257,7 @@ POSITIVE_INTS = (
     "seq_length", "max_position_embeddings", "rotary_base", "tsp_size", "tensor_model_parallel_size",
     "context_parallel_size", "pipeline_model_parallel_size", "micro_batch_size", "global_batch_size",
     "train_iters", "lr_decay_iters", "recompute_num_layers", "log_interval", "vocab_size",
-    "make_vocab_size_divisible_by", "save_interval", "exit_duration_in_mins", "exit_interval",
+    "make_vocab_size_divisible_by", "save_interval", "exit_duration_in_mins", "exit_interval", "ddp_bucket_size",
 )
 NON_NEGATIVE = ("lr", "min_lr", "lr_warmup_iters", "weight_decay", "clip_grad", "seed")
 POSITIVE_FLOATS = ("init_method_std", "norm_epsilon")
@@ -356,6 +358,8 @@ def check_combinations(ns: argparse.Namespace) -> None:
         (ns.lr_warmup_iters < ns.lr_decay_iters, "lr_warmup_iters",
          f"must be below lr_decay_iters {ns.lr_decay_iters} (default: train_iters, here {ns.train_iters}); "
          "lower the warm-up or raise --train-iters / --lr-decay-iters"),
+        (not ns.overlap_param_gather or (ns.use_distributed_optimizer and ns.overlap_grad_reduce),
+         "overlap_param_gather", "needs use_distributed_optimizer and overlap_grad_reduce (as in Megatron-LM)"),
         (ns.tokenizer_type != "NullTokenizer" or ns.vocab_size, "vocab_size",
          "is required with tokenizer_type NullTokenizer"),
     ]

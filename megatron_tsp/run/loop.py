@@ -219,6 +219,11 @@ def resume(args, device: Device, path: Optional[str], model, optimizer, schedule
 
 
 def save(args, device: Device, done: int, model, optimizer, scheduler) -> None:
+    if args.overlap_param_gather:
+        # the step updated only this rank's slice of the weights; the rest arrive in the next
+        # forward's pre-hooks (Megatron-LM's disable_forward_pre_hook does the same before a save)
+        for chunk in model:
+            chunk.start_param_sync(force_sync=True)
     path = checkpointing.save_iteration(
         args.save, done, model, optimizer,
         common={"iteration": done, "scheduler": scheduler.state_dict(), "model_args": model_args(args),
