@@ -187,6 +187,8 @@ def _cmd_train(ns: argparse.Namespace) -> int:
     from megatron_tsp.run import checkpointing, config, data, preflight
 
     path, _, args = _resolve(ns)
+    if not args.exit_signal_handler:
+        launch.terminate_on_sigterm()  # main noted SIGTERM until the config said what it means
     log_path = ns.log_json or os.path.join("runs", os.path.splitext(os.path.basename(path))[0], "log.jsonl")
     preflight.check_writable_file(log_path, "--log-json")
     nproc = ns.nproc or config.sizes(args).model_parallel
@@ -628,14 +630,44 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
-    from megatron_tsp.run.launch import PoolTimeout, RankError, Terminated, raise_terminated, under_torchrun
+    return _run_command(args)
 
-    where = f"rank {os.environ['RANK']}: " if under_torchrun() else ""
-    # SIGTERM ends a command as Ctrl-C does (train's --exit-signal-handler replaces it); the
-    # caller's handler is back afterwards (main also runs inside other programs, the tests)
-    previous = signal.signal(signal.SIGTERM, raise_terminated)
+
+def _with_signals(args) -> int:
+    """``args.func(args)`` with SIGTERM ending it as Ctrl-C does. train notes SIGTERM instead,
+    until its config says whether --exit-signal-handler saves first (so that one that comes
+    while it starts is not lost). The first stop wins, and once stopped the process ignores
+    both signals to its end: Python puts back the default handlers while it shuts down, and
+    a second SIGTERM would then turn exit 130 (or 0, saved) into 143. Otherwise the caller's
+    handlers are back afterwards (main also runs inside other programs: the tests)."""
+    from megatron_tsp.run import launch
+
+    previous = signal.signal(signal.SIGTERM, launch.remember_sigterm if args.command == "train"
+                             else launch.raise_terminated)
+    previous_int = signal.getsignal(signal.SIGINT)
+    if previous_int is signal.default_int_handler:  # not where the shell made this process ignore it
+        signal.signal(signal.SIGINT, launch.raise_interrupted)
+    stopped = False
     try:
         return args.func(args)
+    except (KeyboardInterrupt, launch.Terminated):
+        stopped = True
+        raise
+    finally:
+        if stopped or launch.sigterm_received():
+            launch.ignore_stops()
+        else:
+            signal.signal(signal.SIGTERM, previous)
+            signal.signal(signal.SIGINT, previous_int)
+
+
+def _run_command(args) -> int:
+    """``args.func(args)``, each way it can end turned into one line on stderr and an exit code."""
+    from megatron_tsp.run.launch import PoolTimeout, RankError, Terminated, under_torchrun
+
+    where = f"rank {os.environ['RANK']}: " if under_torchrun() else ""
+    try:
+        return _with_signals(args)
     except KeyboardInterrupt:
         print(f"megatron-tsp {args.command}: {where}interrupted", file=sys.stderr)
         return 130
@@ -661,8 +693,6 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"megatron-tsp {args.command}: internal error: {where}{type(exc).__name__}: {first} "
               "(run again with --debug for the traceback)", file=sys.stderr)
         return 1
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -5,11 +5,13 @@ rank that stops answering (SIGSTOP) fails the job within the collective timeout,
 rank; a run killed while it saves resumes from the checkpoint before, with the losses of an
 uninterrupted run; damaged checkpoints and checkpoints of another model (also ones that
 saved no model arguments, or lost their manifest) are refused at load with the same line on
-every rank; Ctrl-C ends the job with exit code 130, SIGTERM with 143, or, with
-``--exit-signal-handler``, with a checkpoint and exit code 0 that resumes exactly; none of
-them leaves a process in the job's session.
+every rank; Ctrl-C ends the job with exit code 130 (a SIGTERM after it too), SIGTERM with
+143, or, with ``--exit-signal-handler``, with a checkpoint and exit code 0 that resumes exactly,
+wherever and whenever it comes (every process at once, while the job starts, to torchrun);
+none of them leaves a process in the job's session.
 """
 
+import contextlib
 import json
 import os
 import signal
@@ -21,7 +23,7 @@ import psutil
 import pytest
 import torch.distributed as dist
 import yaml
-from conftest import ROOT, left_behind
+from conftest import ROOT, left_behind, processes
 
 from megatron_tsp.device import CPU
 from megatron_tsp.errors import CheckpointError, TrainingStopped
@@ -320,6 +322,89 @@ def test_sigterm_with_the_exit_signal_handler_saves_and_resumes_exactly(ranks, t
     resumed, full = _losses(tmp_path / "resumed.jsonl"), _losses(tmp_path / "uninterrupted.jsonl")
     assert sorted(resumed) == [stopped + 1, until] and sorted(full) == list(range(1, until + 1))
     assert all(resumed[i] == full[i] for i in resumed)
+
+
+def _everyone(session):
+    """Every process of a job as Slurm signals a job step: the session and what it started."""
+    procs = processes(session=session)
+    return procs + [c for p in procs for c in p.children(recursive=True) if c not in procs]
+
+
+def _terminate(procs):
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.send_signal(signal.SIGTERM)
+
+
+def _assert_saved_and_stopped(proc, out, err, save, first=1):
+    assert proc.returncode == 0, err
+    stopped = checkpointing.latest(save)[1]
+    assert first <= stopped < LONG["train_iters"]
+    assert f"stopped after iteration {stopped} of 100 (SIGTERM received, --exit-signal-handler)" in out, out
+    assert left_behind(session=proc.pid) == []
+
+
+def test_sigterm_to_every_process_of_the_job_saves_and_exits_0(tmp_path):
+    """As Slurm delivers it: the launcher, the fork server (the ranks' parent, which ignores it)
+    and the ranks at once. It ended with exit 1, "rank 0 exited with code 255"."""
+    save = str(tmp_path / "ckpt")
+    proc, out = _start_training(tmp_path, "--exit-signal-handler", "--save", save)
+    _terminate(_everyone(proc.pid))
+    out, err = _finish(proc, out)
+    _assert_saved_and_stopped(proc, out, err, save, first=3)
+
+
+def test_sigterm_while_the_job_starts_saves_after_the_first_step(tmp_path):
+    """Before the ranks run (the launcher still reads the config while the fork server imports
+    torch): the signal waits for them, and they stop after one step. It was exit 1, "rank 0
+    killed by SIGTERM", or a line that asked for the --exit-signal-handler that was given."""
+    save = str(tmp_path / "ckpt")
+    path = tmp_path / "long.yaml"
+    path.write_text(yaml.safe_dump(LONG))
+    proc = subprocess.Popen([sys.executable, "-m", "megatron_tsp.cli", "train", str(path), "--exit-signal-handler",
+                             "--save", save, "--log-json", str(tmp_path / "log.jsonl")],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not _fork_server_importing(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    _terminate(_everyone(proc.pid))
+    out, err = _finish(proc, [])
+    _assert_saved_and_stopped(proc, out, err, save)
+
+
+def test_ctrl_c_then_sigterm_is_still_an_interruption(tmp_path):
+    """The first stop wins: it printed "interrupted" and exited 143 (Python puts the default
+    SIGTERM action back while it shuts down)."""
+    proc, out = _start_training(tmp_path)
+    os.kill(proc.pid, signal.SIGINT)
+    time.sleep(0.1)
+    _terminate(_everyone(proc.pid))
+    _, err = _finish(proc, out)
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines() == ["megatron-tsp train: interrupted"], err
+    assert left_behind(session=proc.pid) == []
+
+
+def test_sigterm_to_torchrun_saves_and_exits_0(tmp_path):
+    """``python -m megatron_tsp.run.torchrun`` (scripts/slurm/launch.sh's): torchrun itself
+    passed the signal on, then exited 1 with a SignalException traceback after the ranks saved."""
+    path = tmp_path / "long.yaml"
+    path.write_text(yaml.safe_dump(LONG))
+    save = str(tmp_path / "ckpt")
+    proc = subprocess.Popen([sys.executable, "-m", "megatron_tsp.run.torchrun", "--nproc-per-node", "2",
+                             "-m", "megatron_tsp.cli", "train", str(path), "--exit-signal-handler", "--save", save,
+                             "--log-json", str(tmp_path / "log.jsonl")],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env=dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1"))
+    out = []
+    for line in proc.stdout:
+        out.append(line)
+        if "iteration        3/" in line:
+            break
+    proc.send_signal(signal.SIGTERM)  # torchrun alone: it passes the signal on
+    out, err = _finish(proc, out)
+    assert "SignalException" not in err, err
+    _assert_saved_and_stopped(proc, out, err, save, first=3)
 
 
 def test_sigterm_without_the_handler_ends_every_process_with_one_line(tmp_path):

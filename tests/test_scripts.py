@@ -68,3 +68,4 @@ def test_batch_jobs_save_before_their_time_limit(script):
     entries = [line for line in launch.splitlines() if line.lstrip().startswith("ENTRY=(")]
     assert len(entries) == 2 and all("--exit-signal-handler" in e for e in entries), entries
     assert "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" in launch
+    assert "python3 -m megatron_tsp.run.torchrun --nnodes" in launch  # exits 0 after a save (test_faults)

@@ -74,9 +74,47 @@ class Terminated(BaseException):
         self.signum = signum
 
 
+def ignore_stops() -> None:
+    """The first stop wins: a SIGTERM after Ctrl-C (or a second one) does not interrupt the
+    cleanup, nor change the exit code and line of the first."""
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_IGN)
+
+
 def raise_terminated(signum: int, frame: Any) -> None:
     """A signal handler: SIGTERM ends this process as Ctrl-C would (cleanup, one line)."""
+    ignore_stops()
     raise Terminated(signum)
+
+
+def raise_interrupted(signum: int, frame: Any) -> None:
+    """Python's Ctrl-C, after which further signals are ignored (:func:`ignore_stops`)."""
+    ignore_stops()
+    raise KeyboardInterrupt
+
+
+_SIGTERM_RECEIVED: Optional[str] = None
+
+
+def remember_sigterm(signum: int, frame: Any) -> None:
+    """A signal handler for ``--exit-signal-handler``: note the signal; the training loop reads
+    it after each step (:func:`sigterm_received`). Installed for the whole life of a rank and
+    of a ``train`` launcher, so that a signal that arrives while they start is not lost."""
+    global _SIGTERM_RECEIVED
+    _SIGTERM_RECEIVED = signal.Signals(signum).name
+
+
+def sigterm_received() -> Optional[str]:
+    """The name of the signal :func:`remember_sigterm` noted in this process, or None."""
+    return _SIGTERM_RECEIVED
+
+
+def terminate_on_sigterm() -> None:
+    """From now on SIGTERM ends this process (:func:`raise_terminated`); one noted before
+    (:func:`remember_sigterm`) does so at once."""
+    signal.signal(signal.SIGTERM, raise_terminated)
+    if _SIGTERM_RECEIVED is not None:
+        raise_terminated(signal.Signals[_SIGTERM_RECEIVED], None)
 
 
 def _report(exc: BaseException) -> tuple:
@@ -199,8 +237,10 @@ def job(nproc: int, collective_timeout_min: float = 10.0, timeout_s: float = DEF
     ``run``.
 
     ``forward_sigterm``: the ranks handle SIGTERM themselves (``--exit-signal-handler``), so a
-    local launcher that receives it passes it on to them and waits for them to finish;
-    otherwise SIGTERM kills the ranks (:class:`Terminated`)."""
+    local launcher that receives it passes it on to them and waits for them to finish (one
+    that arrives before they have started, or was noted by :func:`remember_sigterm` before
+    this job, reaches them once they have); otherwise SIGTERM kills the ranks
+    (:class:`Terminated`)."""
     global _DEVICE
     if under_torchrun():
         import torch.distributed as dist
@@ -233,9 +273,12 @@ def job(nproc: int, collective_timeout_min: float = 10.0, timeout_s: float = DEF
     def run(fn, *args, **kwargs):
         if not pools:
             pools.append(WorkerPool(nproc, collective_timeout_s=60 * collective_timeout_min))
+            if forward_sigterm and _SIGTERM_RECEIVED is not None:  # came while they started
+                pools[0].signal(signal.Signals[_SIGTERM_RECEIVED])
         return pools[0].run(fn, *args, timeout_s=timeout_s, **kwargs)
 
     def forward(signum, frame):
+        remember_sigterm(signum, frame)
         for pool in pools:
             pool.signal(signum)
 
@@ -263,6 +306,9 @@ def _worker(rank: int, world_size: int, port: int, conn: Connection, path: List[
         os._exit(1)
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    # SIGTERM too, unless the run handles it (--exit-signal-handler reads what this notes);
+    # noted from the start, because the launcher passes one on as soon as the pool is up
+    signal.signal(signal.SIGTERM, remember_sigterm)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     import torch.distributed as dist

@@ -26,7 +26,7 @@ from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
 from megatron_tsp.device import Device
 from megatron_tsp.errors import CheckpointError, TrainingStopped
-from megatron_tsp.run import checkpointing, data, modes, step
+from megatron_tsp.run import checkpointing, data, launch, modes, step
 from megatron_tsp.run.build import build, initialize, model_args
 from megatron_tsp.run.flops import flops_per_sequence_from_args
 
@@ -77,24 +77,21 @@ class EarlyExit:
     def __init__(self, args, device: Device):
         self.args, self.device = args, device
         self.started = time.time()
-        self.received: Optional[str] = None
         self._previous = None
-        if args.exit_signal_handler:
-            self._previous = signal.signal(signal.SIGTERM, self._on_signal)
-
-    def _on_signal(self, signum, frame) -> None:
-        self.received = signal.Signals(signum).name
+        if args.exit_signal_handler:  # a rank or a torchrun process has it already: from its start
+            self._previous = signal.signal(signal.SIGTERM, launch.remember_sigterm)
 
     def reason(self, iteration: int) -> Optional[str]:
         """Why to stop after ``iteration``, or None."""
         args = self.args
         if args.exit_signal_handler or args.exit_duration_in_mins:
             minutes = (time.time() - self.started) / 60
-            flags = torch.tensor([self.received is not None, minutes], dtype=torch.float64, device=self.device.torch)
+            received = launch.sigterm_received()
+            flags = torch.tensor([received is not None, minutes], dtype=torch.float64, device=self.device.torch)
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-            received, minutes = flags.tolist()
-            if received:
-                return f"{self.received or 'SIGTERM'} received, --exit-signal-handler"
+            anywhere, minutes = flags.tolist()
+            if anywhere:
+                return f"{received or 'SIGTERM'} received, --exit-signal-handler"
             if args.exit_duration_in_mins and minutes > args.exit_duration_in_mins:
                 return f"--exit-duration-in-mins {args.exit_duration_in_mins} reached"
         if args.exit_interval and iteration % args.exit_interval == 0:

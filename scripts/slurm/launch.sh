@@ -27,8 +27,10 @@ read -r -a EXTRA <<< "${EXTRA_ARGS:-}"
 
 # Preemption, scancel and the time limit send SIGTERM (the *.sbatch scripts ask for it 180 s
 # before the limit: #SBATCH --signal=TERM@180). With --exit-signal-handler every rank finishes
-# its step, saves a checkpoint and exits 0; the next job resumes from it (--load). torchrun
-# passes SIGTERM on to its ranks and kills them only after TORCH_ELASTIC_SHUTDOWN_TIMEOUT.
+# its step, saves a checkpoint and exits 0; the next job resumes from it (--load).
+# megatron_tsp.run.torchrun is torchrun that passes SIGTERM on to the ranks and then exits as
+# they do (torchrun itself exits 1 after they saved, and Slurm would count a failure); a
+# torchrun that stops them kills those still saving after TORCH_ELASTIC_SHUTDOWN_TIMEOUT.
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-170}
 if [[ -n "${MEGATRON_LM_PATH:-}" ]]; then
   read -r -a FLAGS <<< "$(megatron-tsp args "$CONFIG")"
@@ -42,7 +44,7 @@ fi
 echo "job $SLURM_JOB_ID: $SLURM_NNODES node(s) x $GPUS_PER_NODE $GPU_KIND, config $CONFIG, run dir $RUN_DIR"
 srun --ntasks-per-node=1 --kill-on-bad-exit=1 \
   --output "$RUN_DIR/logs/%N.log" \
-  torchrun --nnodes "$SLURM_NNODES" --nproc-per-node "$GPUS_PER_NODE" \
+  python3 -m megatron_tsp.run.torchrun --nnodes "$SLURM_NNODES" --nproc-per-node "$GPUS_PER_NODE" \
     --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "$SLURM_JOB_ID" \
     --log-dir "$RUN_DIR/logs/torchrun" \
     "${ENTRY[@]}"
