@@ -389,7 +389,7 @@ def _bench_parser(sub, common) -> None:
 
 def _reprice(ns: argparse.Namespace) -> int:
     from megatron_tsp.measure import bench, perfmodel
-    from megatron_tsp.run import config
+    from megatron_tsp.run import config, preflight
 
     if not ns.hardware:
         raise ConfigError("--reprice needs --hardware PROFILE.yaml (written by megatron-tsp calibrate --link ...)")
@@ -398,15 +398,21 @@ def _reprice(ns: argparse.Namespace) -> int:
             result = json.load(f)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"--reprice {ns.reprice}: cannot read a bench result ({exc})") from None
-    if "links" not in result:
-        raise ConfigError(f"--reprice {ns.reprice}: not a bench --link result")
+    foreign = ConfigError(f"--reprice {ns.reprice}: not a bench --link result")
+    if not isinstance(result, dict) or "links" not in result or not isinstance(result.get("setup"), dict):
+        raise foreign
+    folder = os.path.dirname(ns.reprice) or "."
+    preflight.check_writable_dir(folder, "--reprice (its folder receives the repriced files)")
     perfmodel.load_hardware(ns.hardware)  # one line for a bad profile
-    path = result["setup"]["config"]  # as the run named it: in another checkout, this one's configs/
+    path = str(result["setup"].get("config"))  # as the run named it: in another checkout, this one's configs/
     values = config.load_config(path if os.path.exists(path) else os.path.join(CONFIGS, os.path.basename(path)))
-    bench.reprice(result, config.read_yaml(ns.hardware), values)
+    try:
+        bench.reprice(result, config.read_yaml(ns.hardware), values)
+    except (KeyError, TypeError, AttributeError):  # the keys of a bench result, not all there
+        raise foreign from None
     print(bench.table(result))
     stem = os.path.splitext(os.path.basename(ns.reprice))[0]
-    print("wrote", ", ".join(bench.write(result, os.path.dirname(ns.reprice) or ".", stem)))
+    print("wrote", ", ".join(bench.write(result, folder, stem)))
     return 0
 
 
@@ -488,6 +494,7 @@ def _cmd_calibrate(ns: argparse.Namespace) -> int:
         path = ns.config or os.path.join(CONFIGS, "bench-cpu.yaml")
         values = config.load_config(path)
         bench.check_setup(values, ns.seq, ["tsp"], ns.nproc)  # a rank's heads and tokens divide evenly
+        calibrate.check_memory(values, ns.seq, ns.nproc)
         with launch.job(ns.nproc) as job:
             profile = calibrate.profile(values, ns.seq, job.run, link, ns.link, os.path.join(CONFIGS, "hardware"))
     profile["measured"]["setup"] = run_record(config=path, ranks=ns.nproc)

@@ -345,7 +345,7 @@ def test_memory_checks_before_planning(capsys, flags, message):
 
 @pytest.mark.parametrize("flags,message", [
     (["--modes", "tsp,fsdp"], "--modes: unknown mode(s) fsdp"),
-    (["--seq", "66"], "'seq_length' (--seq-length) 66 is not divisible by 2 x --tsp-size = 4"),
+    (["--seq", "66"], "--seq 66 is not divisible by 2 x --tsp-size = 4"),  # named --seq-length, not a flag here
     (["--nproc", "3"], "world size 3 (--nproc)"),
     (["--reprice", LINK_RESULT], "--reprice needs --hardware PROFILE.yaml"),
     (["--reprice", os.path.join(ROOT, "bench", "results", "bench-cpu-2rank-2k-4k.json"), "--hardware", H100],
@@ -355,6 +355,23 @@ def test_memory_checks_before_planning(capsys, flags, message):
 ])
 def test_bench_checks_before_starting_ranks(capsys, flags, message):
     assert message in one_line(capsys, ["bench", *flags], code=2)
+
+
+@pytest.mark.parametrize("content", ['[1, 2]', '{"links": {"h100-nvlink": 1}, "setup": {"config": "bench-cpu.yaml"}}'],
+                         ids=["a-list", "links-of-another-kind"])
+def test_repricing_a_foreign_json_is_one_line(capsys, tmp_path, content):
+    """It was an internal error after 13-15 s of work."""
+    path = _write(tmp_path, "other.json", content)
+    assert one_line(capsys, ["bench", "--reprice", path, "--hardware", H100], code=2) == (
+        f"megatron-tsp bench: error: --reprice {path}: not a bench --link result")
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--seq", "3"], "--seq 3 is not divisible by 2 x --tsp-size = 4"),
+    (["--seq", "1000000000"], "--seq 1000000000: 2 ranks need 22888.2 GiB for calibrate's kernels"),  # allocated
+])
+def test_calibrate_checks_before_starting_ranks(capsys, tmp_path, flags, message):
+    assert message in one_line(capsys, ["calibrate", *flags, "--out", str(tmp_path / "p.yaml")], code=2)
 
 
 @pytest.mark.parametrize("flags,message", [

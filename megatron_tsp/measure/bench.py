@@ -109,7 +109,11 @@ def check_setup(values: Dict, seqs: List[int], modes: List[str], nproc: int) -> 
         raise cfg.ConfigError(f"--modes: unknown mode(s) {', '.join(unknown)}; use {', '.join(MODES)}")
     for seq in seqs:
         for name in modes:
-            cfg.sizes(_args(values, name, seq), nproc, "--nproc")
+            try:
+                cfg.sizes(_args(values, name, seq), nproc, "--nproc")
+            except cfg.ConfigError as exc:  # the sequence length is --seq's here, not the config's
+                raise cfg.ConfigError(str(exc).replace(f"{cfg._named('seq_length')} {seq}", f"--seq {seq}")) \
+                    from None
 
 
 def _grid(values: Dict, seqs: List[int], modes: List[str], repeats: int, steps: int, warmup: int, runner,

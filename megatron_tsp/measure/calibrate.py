@@ -50,6 +50,30 @@ def _timed(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def _shapes(args, d: int):
+    """(hidden, a rank's MLP width, query heads, K/V heads, head dim) of the kernels measured."""
+    return (args.hidden_size, args.ffn_hidden_size * (2 if args.swiglu else 1) // d, args.num_attention_heads // d,
+            args.num_query_groups // d, args.kv_channels)
+
+
+def kernel_bytes(values: Dict, seq: int, d: int) -> int:
+    """What :func:`rank_kernels` holds at once on one rank at ``seq`` (fp32): the GEMM's
+    operands, q/k/v and their gradients with the output, and the elementwise pair."""
+    h, ffn, heads, groups, dim = _shapes(cfg.resolve(dict(values)), d)
+    return 4 * (seq * h + h * ffn + 3 * seq * (heads + 2 * groups) * dim + 2 * seq * ffn)
+
+
+def check_memory(values: Dict, seqs: List[int], nproc: int) -> None:
+    """One line, before any rank starts, where the longest ``--seq`` cannot fit this machine."""
+    import psutil
+
+    seq = max(seqs)
+    need, free = nproc * kernel_bytes(values, seq, nproc), psutil.virtual_memory().available
+    if need > free:
+        raise cfg.ConfigError(f"--seq {seq}: {nproc} ranks need {need / 2**30:.1f} GiB for calibrate's kernels, "
+                              f"this machine has {free / 2**30:.1f} GiB available; use shorter sequence lengths")
+
+
 def rank_kernels(values: Dict, seqs: List[int], repeats: int = 5) -> Dict:
     """On every rank at once: matmul and attention FLOP/s and elementwise bandwidth at the
     config's shapes per S."""
@@ -60,9 +84,7 @@ def rank_kernels(values: Dict, seqs: List[int], repeats: int = 5) -> Dict:
     from megatron_tsp.core.block_attention import block_attention, resolve_backend
 
     args = cfg.resolve(dict(values))
-    d = dist.get_world_size()
-    h, ffn = args.hidden_size, args.ffn_hidden_size * (2 if args.swiglu else 1) // d
-    heads, groups, dim = args.num_attention_heads // d, args.num_query_groups // d, args.kv_channels
+    h, ffn, heads, groups, dim = _shapes(args, dist.get_world_size())
     backend = resolve_backend("auto", torch.device("cpu"), torch.float32)
     g = torch.Generator().manual_seed(dist.get_rank())
 
