@@ -452,11 +452,17 @@ def _cmd_bench(ns: argparse.Namespace) -> int:
         bench.check_setup(config.load_config(path), ns.seq, ns.modes, world)  # before any rank starts
         figures.pyplot("bench")
         preflight.check_writable_dir(ns.out, "--out")
-        with launch.job(ns.nproc, timeout_s=ns.timeout_s) as job:
-            result = bench.run(path, ns.seq, ns.modes, ns.repeats, ns.steps, ns.warmup, job.run, job.world_size,
-                               link, ns.link, os.path.join(CONFIGS, "hardware"))
-            if job.rank != 0:
-                return 0
+        try:
+            with launch.job(ns.nproc, timeout_s=ns.timeout_s) as job:
+                result = bench.run(path, ns.seq, ns.modes, ns.repeats, ns.steps, ns.warmup, job.run, job.world_size,
+                                   link, ns.link, os.path.join(CONFIGS, "hardware"))
+                if job.rank != 0:
+                    return 0
+        except launch.PoolTimeout as exc:
+            if link is None:
+                raise
+            raise launch.PoolTimeout(f"{exc} (--link {link.rate or 'none'} MB/s per rank: give a block more "
+                                     f"--timeout-s than {ns.timeout_s:g}, or --link a higher rate)") from None
     print(bench.table(result))
     print("wrote", ", ".join(bench.write(result, ns.out, ns.name)))
     return 0

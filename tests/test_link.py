@@ -90,3 +90,29 @@ def test_rates_are_checked():
     for bad in ("0", "fast", "-1", ""):
         with pytest.raises(ValueError):
             parse_rates(bad)
+    # tc refused 1e12 after 6.5 s with a raw message; 0.001 ran past the deadline naming neither flag
+    for bad in ("1e12", "0.001"):
+        with pytest.raises(ValueError, match=f"{bad} MB/s per rank is outside 1-100000"):
+            parse_rates(bad)
+
+
+def test_a_link_command_refused_for_privilege_says_how_to_get_it():
+    """Without CAP_NET_ADMIN the raw RTNETLINK line was all a user saw."""
+    from megatron_tsp.measure import link
+
+    with pytest.raises(LinkError) as exc:
+        link._run("sh", "-c", "echo 'RTNETLINK answers: Operation not permitted' >&2; exit 2")
+    assert str(exc.value).endswith("failed: RTNETLINK answers: Operation not permitted; changing a network device "
+                                   "needs CAP_NET_ADMIN: run as root, or inside `unshare --user --map-root-user --net`")
+
+
+@pytest.mark.skipif(WHY_NOT is not None, reason=f"no rate-limited link here: {WHY_NOT}")
+def test_a_block_past_its_deadline_over_the_link_names_both_flags(tmp_path):
+    """It named neither --link nor --timeout-s."""
+    out = subprocess.run([sys.executable, "-m", "megatron_tsp.cli", "bench", "--link", "1", "--seq", "64", "--modes",
+                          "tsp", "--repeats", "1", "--timeout-s", "1", "--out", str(tmp_path)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1
+    [line] = out.stderr.strip().splitlines()
+    assert "did not finish within 1s" in line and line.endswith(
+        "(--link 1.0 MB/s per rank: give a block more --timeout-s than 1, or --link a higher rate)"), line

@@ -76,16 +76,25 @@ def parse_rates(text: str) -> list:
             value = float("nan")
         if not value > 0 or value == float("inf"):
             raise ValueError(f"{item!r} is not a rate in MB/s per rank, 'none' or one of {', '.join(LIKE)}")
+        if not RATE_RANGE[0] <= value <= RATE_RANGE[1]:  # tc refused 1e12; 0.001 ran past every deadline
+            raise ValueError(f"{item} MB/s per rank is outside {RATE_RANGE[0]:g}-{RATE_RANGE[1]:g}: slower takes hours "
+                             "per step, and loopback is not faster ('none' for no limit)")
         rates.append(value)
     if not rates:
         raise ValueError(f"{text!r} names no rate")
     return rates
 
 
+_PRIVILEGE = "run as root, or inside `unshare --user --map-root-user --net`"
+RATE_RANGE = (1.0, 1e5)  # MB/s per rank
+
+
 def _run(*cmd: str) -> None:
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
     if out.returncode != 0:
-        raise LinkError(f"--link: `{' '.join(cmd)}` failed: {(out.stderr or out.stdout).strip().splitlines()[-1]}")
+        said = ((out.stderr or out.stdout).strip().splitlines() or ["no message"])[-1]
+        fix = ("; changing a network device needs CAP_NET_ADMIN: " + _PRIVILEGE) if "not permitted" in said else ""
+        raise LinkError(f"--link: `{' '.join(cmd)}` failed: {said}{fix}")
 
 
 class Link:
@@ -109,8 +118,7 @@ class Link:
         if libc.unshare(CLONE_NEWNET) != 0:
             os.close(home)
             err = ctypes.get_errno()
-            raise LinkError(f"--link cannot make a network namespace ({os.strerror(err)}): run as root, or inside "
-                            "`unshare --user --map-root-user --net`")
+            raise LinkError(f"--link cannot make a network namespace ({os.strerror(err)}): {_PRIVILEGE}")
         self._home, self._libc = home, libc
         try:
             _run("ip", "link", "set", "lo", "up")
