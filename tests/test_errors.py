@@ -190,6 +190,14 @@ def test_missing_data_path(capsys, tmp_path):
     assert "nothing.idx and " in line and "not found" in line
 
 
+def test_a_default_corpus_that_cannot_be_written_is_one_line(capsys, tmp_path):
+    """From a read-only working directory the default runs/data/ was an internal error (OSError)."""
+    prefix = os.path.join(_write(tmp_path, "a-file", ""), data.TINY_CORPUS_NAME)
+    line = one_line(capsys, _train(prefix), code=1)
+    assert line.startswith(f"megatron-tsp train: error: --data-path {prefix}: the built-in corpus is written there on "
+                           "first use, and that failed (File exists)"), line
+
+
 def test_save_that_cannot_be_written_fails_at_start(capsys, corpus, tmp_path):
     blocker = _write(tmp_path, "a-file", "")
     assert "--save " in one_line(capsys, _train(corpus, "--save", os.path.join(blocker, "ckpt")), code=2)

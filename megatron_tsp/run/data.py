@@ -65,7 +65,12 @@ def ensure_corpus(prefixes: List[str]) -> None:
     """Generate the built-in tiny corpus where a prefix names it and it does not exist yet."""
     for prefix in prefixes:
         if os.path.basename(prefix) == TINY_CORPUS_NAME and not os.path.exists(prefix + ".idx"):
-            make_tiny_corpus(prefix)
+            try:
+                make_tiny_corpus(prefix)
+            except OSError as exc:  # a read-only working directory, for the default runs/data/
+                raise DataError(f"--data-path {prefix}: the built-in corpus is written there on first use, and that "
+                                f"failed ({exc.strerror or exc}); run from a writable folder, or give --data-path "
+                                "a writable place") from None
 
 
 def tokenizer_for(args):
