@@ -208,6 +208,12 @@ def _cmd_train(ns: argparse.Namespace) -> int:
             return 0
         if job.rank == 0:
             print(f"megatron-tsp train: {path}, {job.world_size} rank(s)", flush=True)
+            global_batch = args.global_batch_size or args.micro_batch_size * config.sizes(args, job.world_size).dp
+            epochs = 0 if args.mock_data else data.epochs_needed(args, global_batch)
+            if epochs > data.EPOCHS_WARNING:  # a tiny corpus trains, each sample many times over
+                print(f"megatron-tsp train: warning: {args.train_iters} iterations of {global_batch} x "
+                      f"{args.seq_length} tokens are {epochs:,.0f} epochs of --data-path's training split; every "
+                      "token is seen that often", file=sys.stderr, flush=True)
         try:
             record = job.run(_train_rank, args, log_path, ns.collective_timeout_min)[0]
         except launch.RankError as exc:

@@ -197,3 +197,23 @@ def test_overlap_param_gather_needs_the_distributed_optimizer_and_overlapped_red
         with pytest.raises(config.ConfigError, match=r"'overlap_param_gather' \(--overlap-param-gather\) needs "
                                                      r"use_distributed_optimizer and overlap_grad_reduce"):
             config.resolve(values)
+
+
+def test_a_run_that_needs_many_epochs_of_its_corpus_says_so(tmp_path):
+    """One 10-token document and 128-token sequences trained without a word (about 600 epochs)."""
+    import numpy
+    import torch
+
+    from megatron_tsp.run.data import IndexedDatasetBuilder
+
+    builder = IndexedDatasetBuilder(str(tmp_path / "one.bin"), dtype=numpy.uint16)
+    builder.add_item(torch.arange(10))
+    builder.end_document()
+    builder.finalize(str(tmp_path / "one.idx"))
+    out = subprocess.run([sys.executable, "-m", "megatron_tsp.cli", "train", TINY, "--data-path", str(tmp_path / "one"),
+                          "--train-iters", "2", "--lr-warmup-iters", "0", "--num-layers", "1", "--log-json",
+                          str(tmp_path / "log.jsonl")], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stderr.strip().splitlines() == [
+        "megatron-tsp train: warning: 2 iterations of 8 x 128 tokens are 205 epochs of --data-path's training split; "
+        "every token is seen that often"], out.stderr

@@ -119,6 +119,20 @@ def check_corpus(prefixes: List[str], vocab_size: int) -> None:
                             f"(--vocab-size {vocab_size - 1} + end-of-document); set --vocab-size {largest} or more")
 
 
+EPOCHS_WARNING = 5  # more passes over the training split than this, and a run says so
+
+
+def epochs_needed(args, global_batch: int) -> float:
+    """Passes over the training split of ``--data-path`` that ``--train-iters`` of
+    ``global_batch`` sequences need (as Megatron-LM's dataset builder counts them)."""
+    tokens = 0
+    for prefix in args.data_path:
+        index = _read_index(prefix)  # held: its lengths are a view of the index's memory map
+        tokens += int(numpy.asarray(index.sequence_lengths, dtype=numpy.int64).sum())
+    parts = [float(p) for p in args.split.split(",")]
+    return args.train_iters * global_batch * args.seq_length / max(1.0, tokens * parts[0] / sum(parts))
+
+
 def _read_index(prefix: str):
     """The index of megatron's indexed dataset ``prefix``, or one DataError line."""
     with open(prefix + ".idx", "rb") as f:
