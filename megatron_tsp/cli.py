@@ -587,7 +587,8 @@ def _cmd_compare(ns: argparse.Namespace) -> int:
     from megatron_tsp.measure import compare
 
     _check_outputs(markdown=ns.markdown, json=ns.json)
-    runs = {os.path.relpath(p): compare.summarize(compare.read_run(p), ns.warmup) for p in ns.runs}
+    runs = {name: compare.summarize(records, ns.warmup)
+            for p in ns.runs for name, records in compare.read_runs(os.path.relpath(p)).items()}
     text = compare.table(runs)
     if ns.markdown:
         _write(ns.markdown, text + "\n", "--markdown")

@@ -69,3 +69,21 @@ def test_batch_jobs_save_before_their_time_limit(script):
     assert len(entries) == 2 and all("--exit-signal-handler" in e for e in entries), entries
     assert "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" in launch
     assert "python3 -m megatron_tsp.run.torchrun --nnodes" in launch  # exits 0 after a save (test_faults)
+
+
+def test_a_log_that_several_runs_appended_to_gives_a_row_per_run(tmp_path):
+    """Every run of a config appends to runs/<config>/log.jsonl; compare printed one row of "565
+    iterations" with medians and a final loss across about 50 unrelated runs."""
+    import json
+
+    tsp = [{"run": "a", "mode": "tsp", "iteration": i, "elapsed_ms": 10.0, "loss": 5.0 - i} for i in (1, 2, 3)]
+    ring = [{"run": "b", "mode": "tp-sp-ring", "iteration": i, "elapsed_ms": 30.0, "loss": 9.0} for i in (1, 2)]
+    log = tmp_path / "log.jsonl"
+    log.write_text("".join(json.dumps(r) + "\n" for r in tsp + ring))
+    runs = compare.read_runs(str(log))
+    assert list(runs) == [f"{log} [a: iterations 1-3, tsp]", f"{log} [b: iterations 1-2, tp-sp-ring]"]
+    assert [compare.summarize(r, warmup=0)["final_loss"] for r in runs.values()] == [2.0, 9.0]
+    # text logs name no run: one starts where the iteration number does not go up
+    text = tmp_path / "node0.log"
+    text.write_text("\n".join(MEGATRON_LM_LINE.replace("      12/", f"      {i}/") for i in (1, 2, 1, 2, 3)) + "\n")
+    assert [len(r) for r in compare.read_runs(str(text)).values()] == [2, 3]

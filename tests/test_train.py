@@ -51,6 +51,8 @@ def uninterrupted(tmp_path_factory):
 
 def test_default_config_trains_and_loss_falls(uninterrupted):
     assert sorted(uninterrupted) == list(range(1, ITERS + 1))
+    assert len({(r["run"], r["mode"]) for r in uninterrupted.values()}) == 1  # compare tells runs apart
+    assert uninterrupted[1]["mode"] == "tsp"
     first, last = uninterrupted[1]["loss"], uninterrupted[ITERS]["loss"]
     assert last < 0.8 * first, (first, last)
     for key in ("lr", "grad_norm", "elapsed_ms", "tokens_per_s", "tflops_per_device", "peak_memory_gib"):

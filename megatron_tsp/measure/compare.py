@@ -3,7 +3,8 @@
 Reads ``megatron-tsp train`` JSON lines or Megatron-style text logs (``iteration N/ M |
 ... elapsed time per iteration (ms): T | ... lm loss: L |``, as printed by this project and
 by Megatron-LM). A run directory is searched for ``log.jsonl`` first, then for the text log
-that holds iteration lines. The first ``warmup`` iterations are left out of the timing.
+that holds iteration lines. A log that several runs appended to gives one row per run. The
+first ``warmup`` iterations of each run are left out of the timing.
 """
 
 from __future__ import annotations
@@ -39,6 +40,35 @@ def parse_text(lines: List[str]) -> List[Dict[str, float]]:
                 record[key] = float(m.group(1))
         records.append(record)
     return records
+
+
+def split_runs(records: List[Dict]) -> List[List[Dict]]:
+    """The runs of one log, in order. Every run of a config appends to the same log: a
+    ``megatron-tsp train`` record names its run (``run``); for records without one (Megatron-LM
+    text logs), a run starts where the iteration number does not go up."""
+    runs: List[List[Dict]] = []
+    for record in records:
+        if not runs or _starts_a_run(runs[-1][-1], record):
+            runs.append([])
+        runs[-1].append(record)
+    return runs
+
+
+def _starts_a_run(previous: Dict, record: Dict) -> bool:
+    if "run" in record or "run" in previous:
+        return record.get("run") != previous.get("run")
+    return record["iteration"] <= previous["iteration"]
+
+
+def read_runs(path: str) -> Dict[str, List[Dict]]:
+    """The runs of a log file or a run directory by name: ``path``, or ``path [run]`` for each
+    run where the log holds several (:func:`split_runs`), so that no row mixes runs."""
+    runs = split_runs(read_run(path))
+    if len(runs) == 1:
+        return {path: runs[0]}
+    return {f"{path} [{run[0].get('run') or f'run {n} of {len(runs)}'}: iterations {run[0]['iteration']}-"
+            f"{run[-1]['iteration']}{', ' + run[0]['mode'] if 'mode' in run[0] else ''}]": run
+            for n, run in enumerate(runs, 1)}
 
 
 def read_run(path: str) -> List[Dict[str, float]]:

@@ -107,8 +107,10 @@ class EarlyExit:
 class Logger:
     """Megatron-style iteration lines on rank 0, and the same numbers as JSON lines."""
 
-    def __init__(self, path: Optional[str]):
+    def __init__(self, path: Optional[str], mode: str):
         self.path = path
+        # every run of a config appends to the same log: each record names its run (compare)
+        self.run = {"run": f"{datetime.datetime.now():%Y%m%d-%H%M%S}-{os.getpid()}", "mode": mode}
         if path and dist.get_rank() == 0:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
 
@@ -131,7 +133,7 @@ class Logger:
         )
         if self.path:
             with open(self.path, "a", encoding="utf-8") as f:
-                f.write(json.dumps(record) + "\n")
+                f.write(json.dumps({**self.run, **record}) + "\n")
 
 
 def _schedule(args) -> Dict[str, Any]:
@@ -258,7 +260,7 @@ def _train(args, device: Device, exits: EarlyExit, log_path: Optional[str], coll
     dataset = data.build_train_dataset(args, args.train_iters * global_batch, dp)
     transform = modes.of(args).batch_transform(args)
     flops_per_step = flops_per_sequence_from_args(args, data.padded_vocab(args)) * global_batch
-    logger = Logger(log_path)
+    logger = Logger(log_path, modes.of(args).name)
     record: Dict[str, Any] = {}
     pending: List[torch.Tensor] = []  # device losses of the iterations since the last read
     interval_start = time.perf_counter()
