@@ -78,6 +78,45 @@ def test_nan_in_one_gradient_stops_training_before_it_is_saved(ranks, tmp_path):
     assert checkpointing.latest(save)[1] == 2
 
 
+def _train_onto_a_disk_that_fills_at_iteration_3(save):
+    """Training that saves every iteration, where the checkpoint writer's fsync (in the
+    processes megatron forks to write, which inherit the patch) meets a full disk from the
+    third save on."""
+    import errno
+
+    from megatron_tsp.run.loop import train
+
+    real, saves = os.fsync, {"n": 0}
+    original = checkpointing.save
+
+    def counting(*args, **kwargs):
+        saves["n"] += 1
+        return original(*args, **kwargs)
+
+    def fsync(fd):
+        if saves["n"] >= 3:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd)
+
+    os.fsync, checkpointing.save = fsync, counting
+    try:
+        train(config.resolve(dict(TINY, save=save, save_interval=1)), CPU)
+    except CheckpointError as exc:
+        return str(exc)
+    finally:
+        os.fsync, checkpointing.save = real, original
+    return None
+
+
+def test_a_full_disk_while_saving_is_one_line_naming_save(ranks, tmp_path):
+    """It was three lines with a raw CheckpointException, ENOSPC hidden on the second."""
+    save = str(tmp_path / "ckpt")
+    messages = ranks(2, _train_onto_a_disk_that_fills_at_iteration_3, save)
+    assert messages == [f"--save {save}: saving iteration 3 failed: [Errno 28] No space left on device; the last "
+                        "complete checkpoint is iteration 2; free space there or --save elsewhere"] * 2, messages
+    assert checkpointing.latest(save)[1] == 2
+
+
 def _train_and_stop_rank_1():
     from megatron_tsp.run.loop import train
 

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_tsp.errors import CheckpointError
 from megatron_tsp.run.compat import enable_torch_adam_checkpoints
@@ -173,11 +174,37 @@ def save_iteration(root: str, iteration: int, *args, **kwargs) -> str:
     """:func:`save` into ``ROOT/iter_N``, then point the tracker at it (a save killed halfway
     leaves the tracker at the previous checkpoint)."""
     path = iteration_dir(root, iteration)
-    save(path, *args, **kwargs)
+    try:
+        save(path, *args, **kwargs)
+    except CheckpointException as exc:  # raised on every rank, the writers' errors on rank 0's only
+        why = [_os_error(exc)]
+        dist.broadcast_object_list(why, src=0)
+        if why[0] is None:
+            raise
+        why = why[0]
+        found = latest(root)
+        kept = f"the last complete checkpoint is iteration {found[1]}" if found else "no complete checkpoint is there"
+        raise CheckpointError(f"--save {root}: saving iteration {iteration} failed: {why}; {kept}; free space there "
+                              "or --save elsewhere") from exc
     if dist.get_rank() == 0:
         write_tracker(root, iteration)
     dist.barrier()
     return path
+
+
+def _os_error(exc: CheckpointException) -> Optional[str]:
+    """The operating system's refusal (a full disk, a quota, permissions) behind a failed save:
+    an OSError among the ranks' failures (each an (exception, traceback) pair), or the
+    "[Errno N] ..." their messages quote (megatron's writer wraps the OSError of a writer
+    process in a RuntimeError, whose cause does not survive the gather to rank 0)."""
+    for failure in exc.failures.values():
+        error = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(error, OSError) and error.errno:
+            return f"[Errno {error.errno}] {error.strerror}"
+        quoted = re.search(r"\[Errno \d+\] [^'\"\n]*", str(error))
+        if quoted:
+            return quoted.group(0).strip()
+    return None
 
 
 def write_tracker(root: str, iteration: int) -> None:
