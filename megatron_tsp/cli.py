@@ -667,6 +667,7 @@ def _with_signals(args) -> int:
     previous_int = signal.getsignal(signal.SIGINT)
     if previous_int is signal.default_int_handler:  # not where the shell made this process ignore it
         signal.signal(signal.SIGINT, launch.raise_interrupted)
+    previous_hook, sys.unraisablehook = sys.unraisablehook, launch.redeliver_dropped_stops
     stopped = False
     try:
         return args.func(args)
@@ -674,6 +675,7 @@ def _with_signals(args) -> int:
         stopped = True
         raise
     finally:
+        sys.unraisablehook = previous_hook
         if stopped or launch.sigterm_received():
             launch.ignore_stops()
         else:

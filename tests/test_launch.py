@@ -185,3 +185,34 @@ def test_more_local_ranks_than_gpus_is_one_line(monkeypatch):
     with pytest.raises(UserError, match=r"--nproc 2: this machine has 1 GPU\(s\).*CUDA_VISIBLE_DEVICES="):
         with launch.job(2):
             pass
+
+
+class _SignalledWhileCollected:
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(1000):  # the handler runs here, inside the finalizer, which drops its exception
+            pass
+
+
+def _collect_then_work(args):
+    _SignalledWhileCollected()
+    for _ in range(10**7):
+        pass
+    return 0
+
+
+def test_a_sigterm_raised_inside_a_finalizer_still_stops_the_command():
+    """gpu-check ignored SIGTERM (and exited 0 seconds later) when it came while torch ran a
+    weakref callback, where Python drops what a signal handler raises."""
+    import argparse
+
+    from megatron_tsp import cli
+    from megatron_tsp.run.launch import Terminated
+
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        with pytest.raises(Terminated):
+            cli._with_signals(argparse.Namespace(command="gpu-check", func=_collect_then_work))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, signal.default_int_handler)

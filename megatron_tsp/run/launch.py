@@ -93,6 +93,22 @@ def raise_interrupted(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
+def redeliver_dropped_stops(unraisable) -> None:
+    """A ``sys.unraisablehook``: a stop raised while Python ran a finalizer (a ``__del__``, a
+    weakref callback: torch runs many) is dropped there, and the work went on to exit 0. It is
+    raised again 10 ms later from a timer's signal, once the finalizer is done (or dropped and
+    raised again, until it is not inside one); anything else goes to Python's hook."""
+    error = unraisable.exc_value
+    if isinstance(error, (Terminated, KeyboardInterrupt)):
+        def again(signum, frame):
+            raise error
+
+        signal.signal(signal.SIGALRM, again)
+        signal.setitimer(signal.ITIMER_REAL, 0.01)
+        return
+    sys.__unraisablehook__(unraisable)
+
+
 _SIGTERM_RECEIVED: Optional[str] = None
 
 
