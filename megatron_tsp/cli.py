@@ -19,7 +19,7 @@ import signal
 import sys
 import traceback
 import warnings
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 from megatron_tsp.core.sizes import DEFAULT_CP
 from megatron_tsp.errors import ConfigError, UserError
@@ -180,6 +180,15 @@ def _train_rank(args, log_path, collective_timeout_min):
     return train(args, rank_device(), log_path, collective_timeout_min)
 
 
+def rank_environment(args) -> Dict[str, str]:
+    """What a training job's ranks get where the user set nothing: the mode's
+    ``CUDA_DEVICE_MAX_CONNECTIONS`` (:class:`megatron_tsp.run.modes.Mode`)."""
+    from megatron_tsp.run import modes
+
+    connections = modes.of(args).device_max_connections
+    return {"CUDA_DEVICE_MAX_CONNECTIONS": connections} if connections else {}
+
+
 def _cmd_train(ns: argparse.Namespace) -> int:
     from megatron_tsp.run import launch
 
@@ -194,7 +203,8 @@ def _cmd_train(ns: argparse.Namespace) -> int:
     nproc = ns.nproc or config.sizes(args).model_parallel
     with contextlib.ExitStack() as stack:
         job = stack.enter_context(launch.job(nproc, ns.collective_timeout_min, ns.timeout_s,
-                                             forward_sigterm=args.exit_signal_handler))
+                                             forward_sigterm=args.exit_signal_handler,
+                                             environ=rank_environment(args)))
         if not args.mock_data:
             job.on_rank0(data.ensure_corpus, args.data_path)
         resume = preflight.check_run(args, job.world_size)
@@ -643,6 +653,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     warnings.filterwarnings("ignore", message="full scope is deprecated", category=UserWarning)
     # megatron-core 0.19 imports absl.logging where it is installed, and says so where not
     warnings.filterwarnings("ignore", message="absl.logging is not installed", category=UserWarning)
+    # ... its advice for sequence parallelism, which `train` follows per mode (modes.Mode.device_max_connections)
+    warnings.filterwarnings("ignore", message="When using sequence parallelism it is recommended to set the "
+                            "environment variable CUDA_DEVICE_MAX_CONNECTIONS", category=UserWarning)
     # ... and its rank-0-only logging asks for a rank in the launcher, which has no process group
     warnings.filterwarnings("ignore", message="Could not determine rank from torch.distributed", category=UserWarning)
     parser = build_parser()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata as metadata
+import os
 import platform
 from typing import Dict, Optional
 
@@ -58,14 +59,28 @@ def environment() -> Dict[str, object]:
         "megatron-tsp": _version("megatron-tsp"),
         "transformer-engine": transformer_engine_version(),
         "nvidia-apex": nvidia_apex_available(),
+        # one value for every mode of a bench or gpu-check: their modes share processes
+        "CUDA_DEVICE_MAX_CONNECTIONS": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"),
     }
     info.update(device_and_backend())
     return info
 
 
+REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def shown_path(path: str) -> str:
+    """``path`` as a results file shows it: relative to the repository where it lies inside
+    (committed results then name no machine's folders), else as given."""
+    inside = os.path.relpath(os.path.abspath(path), REPOSITORY)
+    return path if inside.startswith("..") else inside
+
+
 def run_record(**extra) -> Dict[str, object]:
     """What a results file needs to say about where it was made: date, machine, commit,
-    library versions, device (plus ``extra``)."""
+    library versions, device (plus ``extra``; a ``config`` path as :func:`shown_path`)."""
+    if "config" in extra:
+        extra["config"] = shown_path(extra["config"])
     import datetime
     import os
     import subprocess

@@ -68,3 +68,41 @@ def pp_checkpoint(ranks, tmp_path_factory):
 def test_plain_optimizer_matches_distributed_optimizer(ranks, reference):
     (history,) = ranks(1, run, "single", "classic", use_distributed_optimizer=False)
     assert_history_close(history, reference)
+
+
+def _layer_types_built(transformer_engine_spec):
+    """On one rank, TE "installed" (its spec a stand-in that builds megatron's local layers and
+    says so): which attention class `train`'s build puts in a TP baseline."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from megatron_tsp.device import CPU
+    from megatron_tsp.run import build, config, modes
+
+    te_spec = get_gpt_layer_local_spec()  # what megatron's TE spec would be: another core attention
+    real = modes.transformer_engine_version, modes.get_gpt_layer_with_transformer_engine_spec
+    modes.transformer_engine_version = lambda: "2.9.0"
+    modes.get_gpt_layer_with_transformer_engine_spec = lambda **kw: te_spec
+    try:  # a pooled worker: the next test finds it as it was
+        args = config.resolve(dict(mock_data=True, vocab_size=256, num_layers=1, hidden_size=32,
+                                   num_attention_heads=4, seq_length=16, attention_dropout=0.0,
+                                   transformer_engine_spec=transformer_engine_spec))
+        build.initialize(args, CPU)
+        _, model, _ = build.build(args, CPU)
+    finally:
+        modes.transformer_engine_version, modes.get_gpt_layer_with_transformer_engine_spec = real
+    return sorted({type(m).__name__ for m in model[0].modules() if "Attention" in type(m).__name__})
+
+
+@pytest.mark.parametrize("te,core", [(False, "FlashDotProductAttention"), (True, "DotProductAttention")])
+def test_baselines_run_tsps_attention_op_unless_asked_for_te(ranks, te, core):
+    """With TransformerEngine installed, `train` built the baselines on megatron's TE spec, so
+    baseline and TSP ran different attention kernels; now only --transformer-engine-spec does."""
+    assert core in ranks(1, _layer_types_built, te)[0]
+
+
+def test_transformer_engine_spec_is_for_baselines():
+    from megatron_tsp.run import config
+
+    with pytest.raises(config.ConfigError, match="'transformer_engine_spec' .* applies to the baselines"):
+        config.resolve(dict(mock_data=True, vocab_size=256, tsp_size=2, attention_dropout=0.0,
+                            transformer_engine_spec=True))

@@ -216,3 +216,32 @@ def test_a_sigterm_raised_inside_a_finalizer_still_stops_the_command():
     finally:
         signal.signal(signal.SIGTERM, previous)
         signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _environ(key):
+    return os.environ.get(key)
+
+
+@pytest.mark.parametrize("user", [None, "8"], ids=["unset", "set-by-the-user"])
+def test_a_jobs_ranks_get_its_environment_unless_the_user_set_it(monkeypatch, user):
+    """CUDA_DEVICE_MAX_CONNECTIONS per mode: the fork server started before the launcher knew
+    the mode, so the ranks set it themselves, before they touch a device."""
+    from megatron_tsp.run import launch
+
+    if user is None:
+        monkeypatch.delenv("MEGATRON_TSP_TEST_VAR", raising=False)
+    else:
+        monkeypatch.setenv("MEGATRON_TSP_TEST_VAR", user)
+    with launch.job(2, environ={"MEGATRON_TSP_TEST_VAR": "1"}) as job:
+        assert job.run(_environ, "MEGATRON_TSP_TEST_VAR") == [user or "1"] * 2
+
+
+def test_train_sets_device_connections_per_mode():
+    from megatron_tsp.cli import rank_environment
+    from megatron_tsp.run import config
+
+    tiny = dict(mock_data=True, vocab_size=256, attention_dropout=0.0)
+    assert rank_environment(config.resolve(dict(tiny, tsp_size=2))) == {}  # CUDA's default: TSP's streams
+    for layout in (dict(tensor_model_parallel_size=2, sequence_parallel=True), dict(context_parallel_size=2),
+                   dict(tensor_model_parallel_size=2, sequence_parallel=True, ring_mlp=True)):
+        assert rank_environment(config.resolve(dict(tiny, **layout))) == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}

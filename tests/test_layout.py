@@ -86,3 +86,15 @@ def test_measure_is_imported_by_the_command_line_only():
     users = {module for module, path in MODULES.items() if _part(module) != "measure"
              for target, _, _ in _imports(path) if _part(target) == "measure"}
     assert users <= {"megatron_tsp.cli"}, users
+
+
+def test_committed_results_name_no_machines_folders():
+    """A config path as this machine spelled it (the bench-cpu-link.png title carried one)."""
+    found = []
+    for folder, _, files in os.walk(os.path.join(ROOT, "bench", "results")):
+        for name in files:
+            if name.endswith((".json", ".md", ".txt")):
+                with open(os.path.join(folder, name), encoding="utf-8", errors="replace") as f:
+                    text = f.read()
+                found += [f"{name}: {marker}" for marker in (ROOT, "/tmp/", "/home/", "/root/") if marker in text]
+    assert not found, found

@@ -284,7 +284,8 @@ class StreamAttentionHeads(torch.autograd.Function):
     forward and no projection GEMM is recomputed. Group r+1's K/V gather is started before
     group r's attention backward, and group r's dK/dV reduce-scatter is in flight while group
     r+1 computes (group r's input and weight gradients are finished after it). Sums run in
-    the same order with and without overlap (``args.overlap``), so results are bit-identical.
+    the same order with and without overlap (``args.overlap``): bit-identical results where
+    the attention kernels are deterministic (the CPU's; not flash-attn's backward on a GPU).
     """
 
     @staticmethod

@@ -8,8 +8,8 @@ computed by a flash-style kernel, causal, and with context parallelism by all-ga
 K/V over the CP group (TransformerEngine's ``cp_comm_type="all_gather"``) on megatron's
 zigzag CP layout. Its norms are :class:`megatron_tsp.core.norm.TSPNorm` (fused
 TransformerEngine/apex kernels where installed): megatron-core's torch fallback refuses
-sequence parallelism. On GPUs with TransformerEngine, ``megatron-tsp train`` uses
-megatron's TE spec instead.
+sequence parallelism. With ``--transformer-engine-spec`` (and TransformerEngine installed),
+``megatron-tsp train`` builds the baselines on megatron's TE spec instead.
 """
 
 from __future__ import annotations

@@ -112,7 +112,7 @@ def check_setup(values: Dict, seqs: List[int], modes: List[str], nproc: int) -> 
             try:
                 cfg.sizes(_args(values, name, seq), nproc, "--nproc")
             except cfg.ConfigError as exc:  # the sequence length is --seq's here, not the config's
-                raise cfg.ConfigError(str(exc).replace(f"{cfg._named('seq_length')} {seq}", f"--seq {seq}")) \
+                raise cfg.ConfigError(str(exc).replace(f"{cfg.named('seq_length')} {seq}", f"--seq {seq}")) \
                     from None
 
 
@@ -329,10 +329,16 @@ def crossover(results: Dict) -> Optional[int]:
 
 def _header(result: Dict) -> str:
     s = result["setup"]
+    modes = {mode for at in result.get("links", {"": result}).values() for entry in at["results"].values()
+             for mode in entry}
+    # what differs between the modes beyond their layout (every mode runs TSP's attention op)
+    unlike = [f"{mode} {MODES[mode].unlike}" for mode in sorted(modes) if MODES[mode].unlike]
     return (f"Benchmark {s['date']}: {s['config']}, {s['ranks']} rank(s) on {s['device']} ({s['backend']}), "
             f"torch {s['torch']}, megatron-core {s['megatron-core']}, commit {str(s['commit'])[:10]}; "
             f"{result['repeats']} interleaved blocks of {result['steps']} steps (after the first step, "
-            f"{result['warmup']} warm-up and 1 counted step)")
+            f"{result['warmup']} warm-up and 1 counted step); every mode on the same attention op, "
+            f"CUDA_DEVICE_MAX_CONNECTIONS {s.get('CUDA_DEVICE_MAX_CONNECTIONS') or 'unset'}"
+            + "".join(f"; {u}" for u in unlike))
 
 
 def _crossover_line(crossover: Optional[int]) -> str:

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 from megatron_tsp.core.sizes import DEFAULT_CP
-from megatron_tsp.env import run_record
+from megatron_tsp.env import run_record, shown_path
 from megatron_tsp.measure import memory
 from megatron_tsp.run import config as cfg
 from megatron_tsp.run import flops as flops_formula
@@ -247,7 +247,7 @@ def predict(config_path: str, hw: Hardware, nodes: int = 1, modes: List[str] = (
     values = cfg.load_config(config_path)
     values.update(overrides or {})
     world = nodes * hw.gpus_per_node
-    results: Dict = {"setup": run_record(config=config_path), "config": config_path,
+    results: Dict = {"setup": run_record(config=config_path), "config": shown_path(config_path),
                      "hardware": hw.__dict__, "nodes": nodes, "fused_norm": fused_norm, "modes": {}}
     base_seq = cfg.resolve(values).seq_length
     check_layouts(values, modes, world, cp, "--nodes x gpus_per_node")  # before the first (slow) count

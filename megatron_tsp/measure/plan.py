@@ -22,7 +22,7 @@ import copy
 from typing import Dict, List, Optional
 
 from megatron_tsp.core.sizes import DEFAULT_CP
-from megatron_tsp.env import run_record
+from megatron_tsp.env import run_record, shown_path
 from megatron_tsp.measure import figures, perfmodel
 from megatron_tsp.run import config as cfg
 from megatron_tsp.run.modes import check_layouts, get_mode
@@ -116,7 +116,7 @@ def plan(config_path: str, hw: perfmodel.Hardware, nodes: int = 1, modes: List[s
     check_layouts(values, modes, world, cp, "--nodes x gpus_per_node")  # before the first (slow) plan
     planner = Planner(values, hw, nodes, cp, scenario, fused_norm)
     seq = cfg.resolve(values).seq_length
-    result = {"setup": run_record(config=config_path), "config": config_path, "hardware": hw.__dict__,
+    result = {"setup": run_record(config=config_path), "config": shown_path(config_path), "hardware": hw.__dict__,
               "nodes": nodes, "scenario": scenario, "fused_norm": fused_norm, "seq_length": seq,
               "usable_gib": planner.limit,
               "reserve": {"fraction": RESERVE_FRACTION, "gib": RESERVE_GIB}, "granularity": GRANULARITY,

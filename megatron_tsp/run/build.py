@@ -103,15 +103,19 @@ def initialize(args, device: Device, seed: bool = True, **megatron_kwargs) -> No
 
 
 def build(args, device: Device, mode: Optional[Mode] = None, attention_backend: str = "auto",
-          clip_grad: Optional[float] = None, use_gloo_process_groups: bool = True, transformer_engine: bool = True,
+          clip_grad: Optional[float] = None, use_gloo_process_groups: bool = True,
+          transformer_engine: Optional[bool] = None,
           fused_norm: bool = True, optimizer_args=None):
     """(TransformerConfig, DDP model chunks, optimizer) of the run on ``device``, as megatron-core
     builds them. ``mode`` defaults to the one ``args`` runs in (``tsp-no-overlap`` is the one
-    it cannot tell); ``transformer_engine``, ``fused_norm``: see :meth:`Mode.spec`;
+    it cannot tell); ``transformer_engine`` (default: ``--transformer-engine-spec``),
+    ``fused_norm``: see :meth:`Mode.spec`;
     ``optimizer_args``: the learning rates to build the optimizer with, where not ``args``'s
     (:func:`megatron_tsp.run.loop.optimizer_args`)."""
     lrs = optimizer_args or args
     config = transformer_config(args, device)
+    if transformer_engine is None:
+        transformer_engine = args.transformer_engine_spec
     spec = (mode or modes.of(args)).spec(args, config, attention_backend, transformer_engine, fused_norm)
     model = step.build_model(
         config, spec, data.padded_vocab(args), device.torch,

@@ -67,6 +67,9 @@ ARGUMENTS: Dict[str, Arg] = {
     "ring_mlp": _b("TSP's ring MLP in a tensor-parallel model: weight shards rotate, no activation collectives"),
     "tsp_lookahead": Arg(int, 1, "TSP attention: head-group weight shards in flight ahead of the one in use (each "
                                  "one more shard of memory)"),
+    "transformer_engine_spec": _b("baselines (TP, TP+SP, TP x CP) on megatron's TransformerEngine layer spec "
+                                  "where it is installed, instead of the attention op TSP uses: TE's fused "
+                                  "kernels, but the modes then run different kernels"),
     "context_parallel_size": Arg(int, 1, "context parallel size"),
     "pipeline_model_parallel_size": Arg(int, 1, "pipeline parallel size"),
     "use_distributed_optimizer": _b("shard optimizer state over data parallel"),
@@ -221,7 +224,7 @@ def _flag(key: str) -> str:
     return "--" + key.replace("_", "-")
 
 
-def _named(key: str) -> str:
+def named(key: str) -> str:
     """How a message names a setting: the config key and the command-line flag."""
     return f"'{key}' ({_flag(key)})"
 
@@ -237,7 +240,7 @@ def resolve(values: Dict[str, Any]) -> argparse.Namespace:
         ns.ffn_hidden_size = 4 * ns.hidden_size
     if ns.kv_channels is None:
         if ns.hidden_size % ns.num_attention_heads:
-            raise ConfigError(f"{_named('hidden_size')} {ns.hidden_size} must be divisible by "
+            raise ConfigError(f"{named('hidden_size')} {ns.hidden_size} must be divisible by "
                               f"num_attention_heads {ns.num_attention_heads}, or set kv_channels")
         ns.kv_channels = ns.hidden_size // ns.num_attention_heads
     if ns.num_query_groups is None or not ns.group_query_attention:
@@ -276,7 +279,7 @@ CHOICES = {
 def check_values(ns: argparse.Namespace) -> None:
     """Each value on its own: sizes positive, rates finite, choices known."""
     def bad(key: str, must: str) -> ConfigError:
-        return ConfigError(f"{_named(key)} must be {must} (got {getattr(ns, key)!r})")
+        return ConfigError(f"{named(key)} must be {must} (got {getattr(ns, key)!r})")
 
     for key in POSITIVE_INTS:
         value = getattr(ns, key)
@@ -323,14 +326,14 @@ def check_combinations(ns: argparse.Namespace) -> None:
     """Impossible combinations, each naming its key, after what TSP does not support
     (:mod:`megatron_tsp.core.support`, the only statement of it)."""
     if ns.override_opt_param_scheduler and ns.use_checkpoint_opt_param_scheduler:
-        raise ConfigError(f"{_named('override_opt_param_scheduler')} and "
-                          f"{_named('use_checkpoint_opt_param_scheduler')} exclude each other; choose one")
+        raise ConfigError(f"{named('override_opt_param_scheduler')} and "
+                          f"{named('use_checkpoint_opt_param_scheduler')} exclude each other; choose one")
     layout = sizes(ns)
     tsp_settings = {rule.flag: getattr(ns, rule.key) for rule in RULES if rule.key in ARGUMENTS}
-    for message in violations(tsp_settings, layout.tsp, name=lambda rule: _named(rule.key)):
+    for message in violations(tsp_settings, layout.tsp, name=lambda rule: named(rule.key)):
         raise ConfigError(message)
     if ns.ring_mlp and layout.tsp == 1:  # the ring's rows, as Megatron-LM's --ring-mlp reads them
-        for message in violations(tsp_settings, layout.tp, ("all", "mlp"), name=lambda rule: _named(rule.key),
+        for message in violations(tsp_settings, layout.tp, ("all", "mlp"), name=lambda rule: named(rule.key),
                                   under="--ring-mlp"):
             raise ConfigError(message)
     tp = layout.tp  # megatron's own tensor-parallel constraints (TSP's are the rules above)
@@ -360,12 +363,17 @@ def check_combinations(ns: argparse.Namespace) -> None:
          "lower the warm-up or raise --train-iters / --lr-decay-iters"),
         (not ns.overlap_param_gather or (ns.use_distributed_optimizer and ns.overlap_grad_reduce),
          "overlap_param_gather", "needs use_distributed_optimizer and overlap_grad_reduce (as in Megatron-LM)"),
+        (not (ns.transformer_engine_spec and layout.tsp > 1), "transformer_engine_spec",
+         "applies to the baselines; TSP's layers are its own"),
+        (ns.attention_dropout == 0 or ns.transformer_engine_spec, "attention_dropout",
+         "must be 0: the attention op every mode runs has no dropout (--transformer-engine-spec builds the "
+         "baselines on TransformerEngine's spec, which has)"),
         (ns.tokenizer_type != "NullTokenizer" or ns.vocab_size, "vocab_size",
          "is required with tokenizer_type NullTokenizer"),
     ]
     for ok, key, message in checks:
         if not ok:
-            raise ConfigError(f"{_named(key)} {message} (got {getattr(ns, key)!r})")
+            raise ConfigError(f"{named(key)} {message} (got {getattr(ns, key)!r})")
 
 
 def to_megatron_flags(values: Dict[str, Any]) -> List[str]:

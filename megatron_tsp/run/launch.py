@@ -37,7 +37,7 @@ import sys
 import time
 import traceback
 from multiprocessing.connection import Connection, wait
-from typing import Any, Callable, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 from megatron_tsp.errors import UserError
 
@@ -246,7 +246,7 @@ class Job:
 
 @contextlib.contextmanager
 def job(nproc: int, collective_timeout_min: float = 10.0, timeout_s: float = DEFAULT_TIMEOUT_S,
-        forward_sigterm: bool = False) -> Iterator[Job]:
+        forward_sigterm: bool = False, environ: Optional[Dict[str, str]] = None) -> Iterator[Job]:
     """Under torchrun: join its job on this rank's device (NCCL/RCCL on GPUs, gloo on the
     CPU). Otherwise: ``nproc`` local ranks, one per GPU where there are GPUs (more ranks than
     GPUs: one line) and gloo on the CPU where there are none, the pool started at the first
@@ -256,8 +256,10 @@ def job(nproc: int, collective_timeout_min: float = 10.0, timeout_s: float = DEF
     local launcher that receives it passes it on to them and waits for them to finish (one
     that arrives before they have started, or was noted by :func:`remember_sigterm` before
     this job, reaches them once they have); otherwise SIGTERM kills the ranks
-    (:class:`Terminated`)."""
+    (:class:`Terminated`). ``environ``: variables the ranks get where the user set none,
+    before they touch a device (``CUDA_DEVICE_MAX_CONNECTIONS`` is read when CUDA starts)."""
     global _DEVICE
+    environ = {key: os.environ.get(key, value) for key, value in (environ or {}).items()}  # the user's first
     if under_torchrun():
         import torch.distributed as dist
 
@@ -268,6 +270,7 @@ def job(nproc: int, collective_timeout_min: float = 10.0, timeout_s: float = DEF
 
         from megatron_tsp.device import Device
 
+        os.environ.update(environ)
         _DEVICE = Device.from_launch()
         _DEVICE.activate()
         dist.init_process_group(_DEVICE.backend, timeout=datetime.timedelta(minutes=collective_timeout_min),
@@ -288,7 +291,7 @@ def job(nproc: int, collective_timeout_min: float = 10.0, timeout_s: float = DEF
 
     def run(fn, *args, **kwargs):
         if not pools:
-            pools.append(WorkerPool(nproc, collective_timeout_s=60 * collective_timeout_min))
+            pools.append(WorkerPool(nproc, collective_timeout_s=60 * collective_timeout_min, environ=environ))
             if forward_sigterm and _SIGTERM_RECEIVED is not None:  # came while they started
                 pools[0].signal(signal.Signals[_SIGTERM_RECEIVED])
         return pools[0].run(fn, *args, timeout_s=timeout_s, **kwargs)
@@ -313,9 +316,11 @@ def job(nproc: int, collective_timeout_min: float = 10.0, timeout_s: float = DEF
 
 
 def _worker(rank: int, world_size: int, port: int, conn: Connection, path: List[str],
-            collective_timeout_s: float, device_type: Optional[str], group: int) -> None:
+            collective_timeout_s: float, device_type: Optional[str], group: int,
+            environ: Optional[Dict[str, str]]) -> None:
     global _DEVICE
     sys.path[:] = path
+    os.environ.update(environ or {})  # the launcher's, not the fork server's (started before it knew)
     try:
         os.setpgid(0, group)  # the pool's process group: whatever this rank starts is in it too
     except PermissionError:  # the group is gone: the launcher closed the pool while this rank was born
@@ -439,7 +444,8 @@ class WorkerPool:
     on the CPU (gloo); ``device_type="cpu"`` keeps it on the CPU (the tests)."""
 
     def __init__(self, world_size: int, collective_timeout_s: float = 120.0,
-                 start_timeout_s: float = 180.0, device_type: Optional[str] = None):
+                 start_timeout_s: float = 180.0, device_type: Optional[str] = None,
+                 environ: Optional[Dict[str, str]] = None):
         self.world_size = world_size
         ctx = _context()
         port = free_port()
@@ -453,7 +459,7 @@ class WorkerPool:
                     proc = ctx.Process(
                         target=_worker,
                         args=(rank, world_size, port, child, list(sys.path), collective_timeout_s, device_type,
-                              self._reaper.pid),
+                              self._reaper.pid, environ),
                         # not daemonic: megatron's checkpoint writer starts processes of its own.
                         # A worker exits when its pipe to the parent closes.
                         daemon=False,

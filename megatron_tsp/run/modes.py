@@ -34,7 +34,13 @@ class Mode:
     ``hides_with_te``: groups hidden only with TransformerEngine (TP by its ``--tp-comm-overlap``;
     CP by its ring attention: without it the baseline all-gathers K/V before attending, see
     ``core/baselines.py``); ``behind_attention``: groups that can hide behind attention only;
-    ``inert_recompute``: megatron recompute modules that change nothing in this mode, and why."""
+    ``inert_recompute``: megatron recompute modules that change nothing in this mode, and why.
+    ``unlike``: what a comparison's table says the mode does differently from TSP.
+    ``device_max_connections``: the ``CUDA_DEVICE_MAX_CONNECTIONS`` a training job of the mode
+    runs with unless the user set one (None: CUDA's default, 8). megatron's tensor-parallel
+    collectives want 1, so that each is queued ahead of the GEMM it overlaps (megatron warns
+    otherwise); TSP's weight and K/V transfers run on their own streams beside the compute
+    stream, which one hardware queue would serialise (scripts/slurm/env.sh gives ROCm 4)."""
 
     name: str
     sizes: Callable[[int, int], Dict]
@@ -44,6 +50,8 @@ class Mode:
     hides_with_te: Tuple[str, ...] = ()
     behind_attention: Tuple[str, ...] = ()
     inert_recompute: Dict[str, str] = field(default_factory=dict)
+    device_max_connections: Optional[str] = "1"
+    unlike: str = ""
 
     def values(self, values: Dict, cp: int = DEFAULT_CP) -> Dict:
         """The config ``values`` with the ranks of each pipeline stage (TSP x TP x CP) re-laid
@@ -57,14 +65,14 @@ class Mode:
         """The resolved arguments of ``values`` laid out as this mode."""
         return config.resolve(self.values(values, cp))
 
-    def spec(self, args, transformer_config, attention_backend: str = "auto", transformer_engine: bool = True,
+    def spec(self, args, transformer_config, attention_backend: str = "auto", transformer_engine: bool = False,
              fused_norm: bool = True):
         """What GPTModel takes as ``transformer_layer_spec``: the TSP block spec; else
         megatron's TransformerEngine layer spec where TE is installed (it only imports with a
-        GPU) and ``transformer_engine`` allows it; else the baseline block spec: megatron's
-        local layers with the attention op TSP uses and its norms (baselines.py).
-        Comparisons pass ``transformer_engine=False`` so that every mode runs the same
-        attention kernels; ``fused_norm``: see :func:`megatron_tsp.core.norm.implementation`."""
+        GPU) and ``transformer_engine`` asks for it (``--transformer-engine-spec``); else the
+        baseline block spec: megatron's local layers with the attention op TSP uses and its
+        norms (baselines.py), so that every mode runs the same attention kernels;
+        ``fused_norm``: see :func:`megatron_tsp.core.norm.implementation`."""
         if self.tsp_layers:
             return get_gpt_block_tsp_spec(transformer_config, qk_layernorm=args.qk_layernorm,
                                           attention_backend=attention_backend, overlap_comm=self.overlap_comm,
@@ -97,7 +105,7 @@ def _tp_cp(d: int, cp: int) -> Dict:
     return dict(tensor_model_parallel_size=d // cp, context_parallel_size=cp, sequence_parallel=d // cp > 1)
 
 
-_TSP = dict(tsp_layers=True, hides=("tsp_weight", "tp"), behind_attention=("tp",),
+_TSP = dict(tsp_layers=True, hides=("tsp_weight", "tp"), behind_attention=("tp",), device_max_connections=None,
             inert_recompute={"core_attn": "TSP attention has no megatron core_attention; it keeps only its "
                                           "flash output and log-sum-exp already"})
 MODES: Dict[str, Mode] = {m.name: m for m in (
@@ -111,7 +119,9 @@ MODES: Dict[str, Mode] = {m.name: m for m in (
     Mode("tp-sp", lambda d, cp: dict(tensor_model_parallel_size=d, sequence_parallel=True),
          hides_with_te=("tp",)),
     # TP D/cp x CP cp (TP+SP when D/cp > 1)
-    Mode("tp-cp", _tp_cp, hides_with_te=("tp", "cp"), behind_attention=("cp",)),
+    Mode("tp-cp", _tp_cp, hides_with_te=("tp", "cp"), behind_attention=("cp",),
+         unlike="reduce-scatters dK/dV in the model's dtype, as TransformerEngine's all-gather context parallelism "
+                "does (TSP sums them in fp32)"),
     # TP D + SP with TSP's ring MLP (--ring-mlp): the MLP moves weights, the attention is TP+SP's
     Mode("tp-sp-ring", lambda d, cp: dict(tensor_model_parallel_size=d, sequence_parallel=True, ring_mlp=True),
          hides=("tsp_weight",), hides_with_te=("tp",)),
