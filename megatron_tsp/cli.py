@@ -511,11 +511,11 @@ def _cmd_calibrate(ns: argparse.Namespace) -> int:
     with _on_link(ns, ns.nproc) as link:
         from megatron_tsp.env import run_record
         from megatron_tsp.measure import bench, calibrate
-        from megatron_tsp.run import config
+        from megatron_tsp.run import config, modes
 
         path = ns.config or os.path.join(CONFIGS, "bench-cpu.yaml")
         values = config.load_config(path)
-        bench.check_setup(values, ns.seq, ["tsp"], ns.nproc)  # a rank's heads and tokens divide evenly
+        bench.check_setup(values, ns.seq, [modes.SUBJECT], ns.nproc)  # a rank's heads and tokens divide evenly
         calibrate.check_memory(values, ns.seq, ns.nproc)
         with launch.job(ns.nproc) as job:
             profile = calibrate.profile(values, ns.seq, job.run, link, ns.link, os.path.join(CONFIGS, "hardware"))

@@ -46,16 +46,16 @@ def test_tsp_counts_match_the_formula(shared):
         assert _bytes(comm, "tsp_weight", phase, "broadcast") == LAYERS * attn[phase]["broadcast"]
         assert _bytes(comm, "tsp_weight", phase, "send_recv") == LAYERS * mlp[phase]["send_recv"]
     assert _bytes(comm, "tsp_weight", "backward", "reduce") == LAYERS * attn["backward"]["reduce"]
-    # K/V on the TSP (tensor-parallel) group, plus the shared embedding/output traffic
-    assert _bytes(comm, "tp", "forward", "all_gather") == LAYERS * attn["forward"]["all_gather"] + act
-    assert _bytes(comm, "tp", "forward", "reduce_scatter") == act
-    assert _bytes(comm, "tp", "backward", "all_gather") == LAYERS * attn["backward"]["all_gather"] + 2 * act
-    assert _bytes(comm, "tp", "backward", "reduce_scatter") == LAYERS * attn["backward"]["reduce_scatter"] + act
+    # K/V on the TSP group (megatron's tensor-parallel slot), plus the embedding/output traffic there
+    assert _bytes(comm, "tsp", "forward", "all_gather") == LAYERS * attn["forward"]["all_gather"] + act
+    assert _bytes(comm, "tsp", "forward", "reduce_scatter") == act
+    assert _bytes(comm, "tsp", "backward", "all_gather") == LAYERS * attn["backward"]["all_gather"] + 2 * act
+    assert _bytes(comm, "tsp", "backward", "reduce_scatter") == LAYERS * attn["backward"]["reduce_scatter"] + act
     # The only all-reduces are the vocab-parallel cross entropy's ([S, b] statistics, shared
     # with TP+SP): the layers issue none.
     _, tp_sp = _plan("tp-sp")
-    assert _bytes(comm, "tp", "forward", "all_reduce") == _bytes(tp_sp, "tp", "forward", "all_reduce")
-    assert _bytes(comm, "tp", "forward", "all_reduce") <= 4 * 4 * SEQ * args.micro_batch_size
+    assert _bytes(comm, "tsp", "forward", "all_reduce") == _bytes(tp_sp, "tp", "forward", "all_reduce")
+    assert _bytes(comm, "tsp", "forward", "all_reduce") <= 4 * 4 * SEQ * args.micro_batch_size
 
 
 def test_tp_sp_counts_match_the_formula(shared):

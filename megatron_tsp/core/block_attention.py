@@ -396,19 +396,20 @@ _CHECKED: Dict[Tuple[str, str, torch.dtype], bool] = {}  # (backend, device type
 # How torch's GPU kernels align a causal mask when sq < sk, on CUDA: its flash kernel is
 # FlashAttention-2 (bottom-right since 2.1); the memory-efficient and cuDNN kernels take
 # ``is_causal`` top-left. What the memory planner's fake tensors assume; a real device checks.
+# On ROCm torch's flash kernel is AOTriton, whose backward refuses a non-square causal block.
 _ON_A_GPU = {"flash": True, "cudnn": False, "efficient": False}
 
 
 def bottom_right(backend: str, device: torch.device, dtype: torch.dtype, planned: bool = False) -> bool:
     """Whether ``backend``'s causal mask is aligned bottom-right when sq < sk: known, or as
-    :func:`check_backend` found it; for fake tensors (``planned``), as on a CUDA GPU; else
-    False before a check."""
+    :func:`check_backend` found it; for fake tensors (``planned``), as on a CUDA or ROCm GPU;
+    else False before a check."""
     known = _KERNELS[backend].bottom_right
     if known is not None:
         return known
     if (backend, device.type, dtype) in _CHECKED:
         return _CHECKED[(backend, device.type, dtype)]
-    return _ON_A_GPU.get(backend, False) if planned else False
+    return planned and _ON_A_GPU.get(backend, False) and not getattr(torch.version, "hip", None)
 
 
 def check_backend(backend: str, device: torch.device, dtype: torch.dtype) -> None:

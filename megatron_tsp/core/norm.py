@@ -78,10 +78,12 @@ def implementation(config: TransformerConfig, fused: bool = True) -> str:
 
 
 class TSPNorm:
-    """LayerNorm or RMSNorm (``config.normalization``) whose parameters are marked for the
-    gradient all-reduce over the tensor-parallel group, in the model's dtype on the model's
-    device (``config.use_cpu_initialization``: the CPU, else the current GPU), built by
-    :func:`implementation`."""
+    """A factory, as megatron's ``TENorm`` is (a ``ModuleSpec`` builds classes, and calls no
+    function): ``TSPNorm(config, hidden_size)`` returns a LayerNorm or RMSNorm module
+    (``config.normalization``) of the implementation :func:`implementation` picks, never a
+    ``TSPNorm``. Its parameters are marked for the gradient all-reduce over the
+    tensor-parallel group, in the model's dtype on the model's device
+    (``config.use_cpu_initialization``: the CPU, else the current GPU)."""
 
     def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, fused: bool = True):
         if config.normalization not in ("LayerNorm", "RMSNorm"):

@@ -27,7 +27,7 @@ _TSP_GROUP: Optional[dist.ProcessGroup] = None
 # Same ranks as _TSP_GROUP, a second communicator: weight-shard traffic (broadcasts, ring
 # sends, gradient reduces) must not queue behind the K/V all-gathers on the same stream.
 _TSP_WEIGHT_GROUP: Optional[dist.ProcessGroup] = None
-_TSP_SIZE: Optional[int] = None
+_INITIALIZED = False  # by initialize_model_parallel (any layout) or adopt_megatron_groups
 # The ring MLP in a plain tensor-parallel model (--ring-mlp): its weight-traffic communicator
 # over the tensor-parallel ranks.
 _RING_WEIGHT_GROUP: Optional[dist.ProcessGroup] = None
@@ -59,8 +59,8 @@ def initialize_model_parallel(
     (plain TP): the ring MLP's communicator over the tensor-parallel ranks
     (:func:`resolve_ring_groups`).
     """
-    global _TSP_GROUP, _TSP_WEIGHT_GROUP, _TSP_SIZE, _RING_WEIGHT_GROUP
-    if _TSP_SIZE is not None or mpu.model_parallel_is_initialized():
+    global _TSP_GROUP, _TSP_WEIGHT_GROUP, _INITIALIZED, _RING_WEIGHT_GROUP
+    if _INITIALIZED or mpu.model_parallel_is_initialized():
         raise ValueError(
             "model parallel state is already initialized; call "
             "megatron_tsp.destroy_model_parallel() before initializing it again"
@@ -80,7 +80,7 @@ def initialize_model_parallel(
         order="tp-cp-ep-dp-pp",
         **megatron_kwargs,
     )
-    _TSP_SIZE = tsp_size
+    _INITIALIZED = True
     # The TSP group is the tensor-parallel group; it does not exist as such when TSP is off
     # and plain TP is on (a TSP module there would be a mistake).
     if tp == 1:
@@ -99,8 +99,8 @@ def adopt_megatron_groups(tsp_size: int, ring_mlp: bool = False) -> None:
     state someone else initialised with ``tensor_model_parallel_size = tsp_size`` or the
     ring's TP size (Megatron-LM's ``initialize_megatron``). Collective (creates the
     weight-traffic groups); a second call is a no-op."""
-    global _TSP_GROUP, _TSP_WEIGHT_GROUP, _TSP_SIZE, _RING_WEIGHT_GROUP
-    if _TSP_SIZE is not None or _RING_WEIGHT_GROUP is not None:
+    global _TSP_GROUP, _TSP_WEIGHT_GROUP, _INITIALIZED, _RING_WEIGHT_GROUP
+    if _INITIALIZED or _RING_WEIGHT_GROUP is not None:
         return
     tp = mpu.get_tensor_model_parallel_world_size()
     group = mpu.get_tensor_model_parallel_group()
@@ -114,7 +114,7 @@ def adopt_megatron_groups(tsp_size: int, ring_mlp: bool = False) -> None:
     if tp != tsp_size:
         raise ValueError(f"--tsp-size {tsp_size} but megatron's tensor-parallel size is {tp}; "
                          "launch through megatron_tsp.megatron_lm.translate_argv")
-    _TSP_SIZE = tsp_size
+    _INITIALIZED = True
     _TSP_GROUP = group
     _TSP_WEIGHT_GROUP = _new_weight_group(group, {})
     warm_up(device, _TSP_GROUP, _TSP_WEIGHT_GROUP)
@@ -159,24 +159,24 @@ def _new_weight_group(group: dist.ProcessGroup, megatron_kwargs) -> dist.Process
 
 
 def destroy_model_parallel() -> None:
-    global _TSP_GROUP, _TSP_WEIGHT_GROUP, _TSP_SIZE, _RING_WEIGHT_GROUP
+    global _TSP_GROUP, _TSP_WEIGHT_GROUP, _INITIALIZED, _RING_WEIGHT_GROUP
     # Like megatron's destroy_model_parallel, forget the groups without destroying them:
     # a destroyed gloo group's rendezvous keys can be picked up by the next group created
     # over the same ranks, which then connects to closed sockets.
     _TSP_GROUP = None
     _TSP_WEIGHT_GROUP = None
-    _TSP_SIZE = None
+    _INITIALIZED = False
     _RING_WEIGHT_GROUP = None
     mpu.destroy_model_parallel()
 
 
 def is_initialized() -> bool:
-    return _TSP_SIZE is not None or _RING_WEIGHT_GROUP is not None
+    return _INITIALIZED or _RING_WEIGHT_GROUP is not None
 
 
 def get_tsp_group() -> dist.ProcessGroup:
     if _TSP_GROUP is None:
-        if _TSP_SIZE is None:
+        if not _INITIALIZED:
             raise RuntimeError(
                 "TSP groups are not initialized; call megatron_tsp.initialize_model_parallel()"
             )
@@ -249,7 +249,7 @@ def resolve_ring_groups(group: Optional[dist.ProcessGroup] = None) -> Tuple[dist
     and the ring's communicator."""
     if group is None and _TSP_GROUP is None and _RING_WEIGHT_GROUP is not None:
         return mpu.get_tensor_model_parallel_group(), _RING_WEIGHT_GROUP
-    if group is None and _TSP_SIZE is None:
+    if group is None and not _INITIALIZED:
         raise RuntimeError("the ring MLP needs TSP groups or a ring over the tensor-parallel group; call "
                            "megatron_tsp.initialize_model_parallel(tsp_size=D) or (tensor_model_parallel_size=D, "
                            "ring_mlp=True)")

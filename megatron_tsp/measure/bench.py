@@ -38,7 +38,10 @@ from megatron_tsp.run import config as cfg
 from megatron_tsp.run.build import initialize, stepper
 from megatron_tsp.run.config import at_seq_length
 from megatron_tsp.run.launch import rank_device
-from megatron_tsp.run.modes import MODES, get_mode
+from megatron_tsp.run.modes import MODES, NO_OVERLAP, REFERENCE, REFERENCES, SUBJECT, get_mode, ratio_key
+
+VS = ratio_key(REFERENCE)  # a mode's step time over TP+SP's, measured and predicted
+PREDICTED_VS = "predicted_" + VS
 
 # How far the modes' step-1 losses on a fresh model may differ: in fp32 by reduction order only
 # (~1e-7); in bf16/fp16 every mode rounds its partial sums at other places (~1e-4 to 1e-3 seen).
@@ -140,13 +143,12 @@ def _grid(values: Dict, seqs: List[int], modes: List[str], repeats: int, steps: 
                            "bytes_received_per_step": bytes_moved[mode]}
             if peak_memory:
                 entry[mode]["peak_gib"] = runner(_memory, values, mode, seq)[0]
-        for base in ("tp-sp", "tp-cp"):
+        for base in REFERENCES:
             if base in entry:
                 for mode in modes:
-                    entry[mode][f"vs_{base.replace('-', '_')}"] = (entry[mode]["step_s_median"]
-                                                                   / entry[base]["step_s_median"])
-        if "tsp" in entry and "tsp-no-overlap" in entry:
-            entry["tsp"]["hidden_comm_s"] = entry["tsp-no-overlap"]["step_s_median"] - entry["tsp"]["step_s_median"]
+                    entry[mode][ratio_key(base)] = entry[mode]["step_s_median"] / entry[base]["step_s_median"]
+        if SUBJECT in entry and NO_OVERLAP in entry:
+            entry[SUBJECT]["hidden_comm_s"] = entry[NO_OVERLAP]["step_s_median"] - entry[SUBJECT]["step_s_median"]
         results[seq] = entry
     return results
 
@@ -217,9 +219,9 @@ def predicted(results: Dict, values: Dict, profile: Dict, link_name: str, nproc:
             r["predicted_step_s"] = t["step_s"]
             r["predicted_compute_s"] = t["compute_s"]
             r["model_error"] = t["step_s"] / r["step_s_median"] - 1
-        if "tp-sp" in entry:
+        if REFERENCE in entry:
             for r in entry.values():
-                r["predicted_vs_tp_sp"] = r["predicted_step_s"] / entry["tp-sp"]["predicted_step_s"]
+                r[PREDICTED_VS] = r["predicted_step_s"] / entry[REFERENCE]["predicted_step_s"]
 
 
 def _primitive_efficiency(profile: Dict) -> Dict[str, float]:
@@ -244,7 +246,7 @@ def model_ratio(values: Dict, profile: Dict, seq: int, nproc: int, mb_s: float) 
                              primitive_gbs={p: e * gbs for p, e in _primitive_efficiency(profile).items()})
     values = at_seq_length(values, seq)
     tsp, tp_sp = (perfmodel.evaluate(values, m, hw, nproc, DEFAULT_CP, brief=True)[SCENARIO]["step_s"]
-                  for m in ("tsp", "tp-sp"))
+                  for m in (SUBJECT, REFERENCE))
     return tsp / tp_sp
 
 
@@ -275,13 +277,13 @@ def crossover_rates(result: Dict, values: Dict) -> Dict:
     """Per S: the link rate at which TSP and TP+SP are equally fast, measured and predicted
     (searched from a tenth of the slowest link to ten times the fastest), and on which side
     of it TSP is the faster one."""
-    links = [at for at in result["links"].values() if "tsp" in next(iter(at["results"].values()))]
+    links = [at for at in result["links"].values() if SUBJECT in next(iter(at["results"].values()))]
     rates = [1e3 * at["achieved_gbs"] for at in links]
     out = {}
     for seq in links[0]["results"] if links else []:
-        if not all("tp-sp" in at["results"][seq] for at in links):
+        if not all(REFERENCE in at["results"][seq] for at in links):
             continue
-        points = [(r, at["results"][seq]["tsp"]["vs_tp_sp"]) for r, at in zip(rates, links)]
+        points = [(r, at["results"][seq][SUBJECT][VS]) for r, at in zip(rates, links)]
         lo, hi = min(rates) / 10, max(rates) * 10
         curve = [[r, model_ratio(values, result["profile"], int(seq), result["setup"]["ranks"], r)]
                  for r in (lo * (hi / lo) ** (i / 16) for i in range(17))]
@@ -318,10 +320,10 @@ def reprice(result: Dict, profile: Dict, values: Dict) -> None:
 def crossover(results: Dict) -> Optional[int]:
     """The shortest measured length from which on TSP's median step is at most TP+SP's
     (None if TSP is slower at the longest length)."""
-    seqs = [s for s in results if "tsp" in results[s] and "tp-sp" in results[s]]
+    seqs = [s for s in results if SUBJECT in results[s] and REFERENCE in results[s]]
     found = None
     for s in sorted(seqs, key=int, reverse=True):
-        if results[s]["tsp"]["step_s_median"] > results[s]["tp-sp"]["step_s_median"]:
+        if results[s][SUBJECT]["step_s_median"] > results[s][REFERENCE]["step_s_median"]:
             break
         found = s
     return found
@@ -355,7 +357,7 @@ def table(result: Dict) -> str:
              "|---|---|---|---|---|---|---|---|---|"]
     for seq, entry in result["results"].items():
         for mode, r in entry.items():
-            vs = " | ".join(f"{r[k]:.2f}x" if k in r else "-" for k in ("vs_tp_sp", "vs_tp_cp"))
+            vs = " | ".join(f"{r[k]:.2f}x" if k in r else "-" for k in map(ratio_key, REFERENCES))
             lines.append(f"| {seq} | {mode} | {1e3 * r['step_s_median']:.1f} | {1e3 * r['step_s_min']:.1f}-"
                          f"{1e3 * r['step_s_max']:.1f} | {vs} | {r['first_step_loss']:.6f} | "
                          f"{r['bytes_received_per_step'] / 2**20:.2f} | {r['peak_gib'] * 1024:.1f} |")
@@ -375,8 +377,8 @@ def link_table(result: Dict) -> str:
     for name, at in result["links"].items():
         for seq, entry in at["results"].items():
             for mode, r in entry.items():
-                vs = f"{r['vs_tp_sp']:.2f}x" if "vs_tp_sp" in r else "-"
-                pvs = f"{r['predicted_vs_tp_sp']:.2f}x" if "predicted_vs_tp_sp" in r else "-"
+                vs = f"{r[VS]:.2f}x" if VS in r else "-"
+                pvs = f"{r[PREDICTED_VS]:.2f}x" if PREDICTED_VS in r else "-"
                 rate = "-" if at["rate_mb_s_per_rank"] is None else f"{at['rate_mb_s_per_rank']:.3g}"
                 lines.append(f"| {name} | {rate} | {at['achieved_gbs'] * 1e3:.1f} | {seq} | {mode} | "
                              f"{1e3 * r['step_s_median']:.1f} | "
@@ -409,8 +411,8 @@ def plot(result: Dict, path: str) -> None:
         lo = [m - 1e3 * result["results"][s][mode]["step_s_min"] for m, s in zip(med, result["results"])]
         hi = [1e3 * result["results"][s][mode]["step_s_max"] - m for m, s in zip(med, result["results"])]
         ax1.errorbar(seqs, med, yerr=[lo, hi], marker="o", capsize=3, label=mode)
-        if "vs_tp_sp" in next(iter(result["results"].values()))[mode]:
-            ax2.plot(seqs, [result["results"][s][mode]["vs_tp_sp"] for s in result["results"]], marker="o", label=mode)
+        if VS in next(iter(result["results"].values()))[mode]:
+            ax2.plot(seqs, [result["results"][s][mode][VS] for s in result["results"]], marker="o", label=mode)
     for ax in (ax1, ax2):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("sequence length")
@@ -435,17 +437,15 @@ def link_plot(result: Dict, path: str) -> None:
     for i, seq in enumerate(links[0]["results"]):
         color = f"C{i}"
         at_seq = [at["results"][seq] for at in links]
-        if not all("tsp" in e and "tp-sp" in e for e in at_seq):
+        if not all(SUBJECT in e and REFERENCE in e for e in at_seq):
             continue
-        ratio = [e["tsp"]["vs_tp_sp"] for e in at_seq]
-        spread = [[r - min(a / b for a, b in zip(e["tsp"]["block_medians"], e["tp-sp"]["block_medians"])) for r, e in
-                   zip(ratio, at_seq)],
-                  [max(a / b for a, b in zip(e["tsp"]["block_medians"], e["tp-sp"]["block_medians"])) - r for r, e in
-                   zip(ratio, at_seq)]]
+        ratio = [e[SUBJECT][VS] for e in at_seq]
+        blocks = [[a / b for a, b in zip(e[SUBJECT]["block_medians"], e[REFERENCE]["block_medians"])] for e in at_seq]
+        spread = [[r - min(b) for r, b in zip(ratio, blocks)], [max(b) - r for r, b in zip(ratio, blocks)]]
         ax1.errorbar(rates, ratio, yerr=[[max(0, x) for x in spread[0]], [max(0, x) for x in spread[1]]], fmt="o",
                      color=color, capsize=3, label=f"S={seq} measured")
         curve = result.get("crossover_rate", {}).get(seq, {}).get("model_curve") or \
-            [[r, e["tsp"]["predicted_vs_tp_sp"]] for r, e in zip(rates, at_seq)]
+            [[r, e[SUBJECT][PREDICTED_VS]] for r, e in zip(rates, at_seq)]
         ax1.plot(*zip(*curve), "-", color=color, label=f"S={seq} model")
     ax1.axhline(1.0, color="grey", lw=0.8)
     ax1.set_xscale("log")

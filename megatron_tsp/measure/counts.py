@@ -27,7 +27,8 @@ Records = Dict[str, Dict[str, Dict[str, Dict[str, int]]]]  # group -> phase -> p
 
 def group_names() -> Dict[int, str]:
     """id(group) -> name for megatron's (and TSP's) process groups."""
-    getters = {
+    getters = {  # the first name of a group wins: under TSP the tensor-parallel group is TSP's
+        "tsp": lambda: tsp_state.get_tsp_group(),
         "tp": lambda: mpu.get_tensor_model_parallel_group(),
         "cp": lambda: mpu.get_context_parallel_group(),
         "dp": lambda: mpu.get_data_parallel_group(),

@@ -47,7 +47,7 @@ from megatron_tsp.env import run_record
 from megatron_tsp.measure import memory
 from megatron_tsp.run import config as cfg
 from megatron_tsp.run.build import initialize, params_dtype, stepper
-from megatron_tsp.run.modes import get_mode
+from megatron_tsp.run.modes import REFERENCE, SUBJECT, get_mode
 
 SEQS = (8192, 32768, 131072)
 
@@ -254,8 +254,8 @@ def check_modes(values: Dict, modes: List[str], steps: int, device: Device, budg
             if device.is_gpu:
                 torch.cuda.empty_cache()
         save()
-    if all("compute_s_median" in part.get(m, {}) for m in ("tsp", "tp-sp")):
-        result["tsp_vs_tp_sp_compute"] = part["tsp"]["compute_s_median"] / part["tp-sp"]["compute_s_median"]
+    if all("compute_s_median" in part.get(m, {}) for m in (SUBJECT, REFERENCE)):
+        result["tsp_vs_tp_sp_compute"] = part[SUBJECT]["compute_s_median"] / part[REFERENCE]["compute_s_median"]
         save()
 
 

@@ -33,7 +33,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from megatron_tsp.core.parallel_state import destroy_model_parallel
 from megatron_tsp.core.sizes import DEFAULT_CP, ParallelSizes
 from megatron_tsp.device import CPU, Device
-from megatron_tsp.env import run_record
+from megatron_tsp.env import run_record, shown_path
 from megatron_tsp.measure import counts, figures
 from megatron_tsp.measure.tracker import CATEGORIES, GIB, SavedTensors, StorageTracker
 from megatron_tsp.run import config as cfg
@@ -79,7 +79,8 @@ def activation_terms(args, mode: str, fused_norm: bool = True) -> Dict[str, Dict
         "MLP input": e * tokens * h,
         "fc1 output": e * tokens * f * (2 if args.swiglu else 1),
     }
-    ring_mlp, tsp_attention = mode in ("tsp", "tp-sp-ring"), mode == "tsp"
+    tsp_attention = get_mode(mode).tsp_layers
+    ring_mlp = tsp_attention or args.ring_mlp  # TSP's MLP is the ring
     if not ring_mlp:
         formula["activation output (fc2 input)"] = e * tokens * f
     implementation = {}
@@ -353,11 +354,12 @@ def plan_modes(config_path: str, modes: List[str], world_size: Optional[int] = N
     if per_layer:
         for name, r in results.items():
             args = get_mode(name).args(values, cp)
-            if args.recompute_granularity is None and name in ("tsp", "tp-sp", "tp-sp-ring"):
+            # the formula's layouts: every activation sharded over the sequence (SP or TSP), no CP
+            if args.recompute_granularity is None and args.sequence_parallel and args.context_parallel_size == 1:
                 r["activation_terms"] = activation_terms(args, name, fused_norm)
     seq = get_mode(modes[0]).args(values, cp).seq_length
     return {"setup": run_record(config=config_path, world_size=world_size, fused_norm=fused_norm),
-            "config": config_path, "seq_length": seq, "fused_norm": fused_norm, "modes": results}
+            "config": shown_path(config_path), "seq_length": seq, "fused_norm": fused_norm, "modes": results}
 
 
 def table(result: Dict) -> str:

@@ -49,9 +49,9 @@ from megatron_tsp.measure import memory
 from megatron_tsp.run import config as cfg
 from megatron_tsp.run import flops as flops_formula
 from megatron_tsp.run.data import padded_vocab
-from megatron_tsp.run.modes import check_layouts, get_mode
+from megatron_tsp.run.modes import REFERENCE, SUBJECT, check_layouts, get_mode
 
-INTRA_NODE_GROUPS = ("tp", "cp", "tsp_weight")
+INTRA_NODE_GROUPS = ("tsp", "tp", "cp", "tsp_weight")
 SCENARIOS = ("overlap", "no_tp_overlap", "no_overlap")
 
 
@@ -238,7 +238,7 @@ def step_time(total: Dict, hw: Hardware, mode: str, scenario: str, world_size: i
     return out
 
 
-def predict(config_path: str, hw: Hardware, nodes: int = 1, modes: List[str] = ("tsp", "tp-sp"),
+def predict(config_path: str, hw: Hardware, nodes: int = 1, modes: List[str] = (SUBJECT, REFERENCE),
             cp: int = DEFAULT_CP, seq_lengths: Optional[List[int]] = None, overrides: Optional[Dict] = None,
             fused_norm: bool = True) -> Dict:
     """Step time, tokens/s and MFU per mode at the config's sequence length on ``nodes``
@@ -254,9 +254,9 @@ def predict(config_path: str, hw: Hardware, nodes: int = 1, modes: List[str] = (
     for mode in modes:
         results["modes"][mode] = evaluate(values, mode, hw, world, cp, fused_norm=fused_norm)
     if seq_lengths:
-        others = [m for m in modes if m != "tp-sp"]
+        others = [m for m in modes if m != REFERENCE]
         sweep = {seq: {mode: evaluate(cfg.at_seq_length(values, seq), mode, hw, world, cp, brief=True,
-                                      fused_norm=fused_norm) for mode in others + ["tp-sp"]}
+                                      fused_norm=fused_norm) for mode in others + [REFERENCE]}
                  for seq in seq_lengths}
         results["sweep"] = sweep
         results["crossover_seq_length"] = {mode: {key: crossover(sweep, mode, key) for key in SCENARIOS}
@@ -270,7 +270,7 @@ def crossover(sweep: Dict, mode: str, scenario: str) -> Optional[int]:
     longer length too (None: slower at the longest)."""
     found = None
     for seq in sorted(sweep, reverse=True):
-        if sweep[seq][mode][scenario]["step_s"] > sweep[seq]["tp-sp"][scenario]["step_s"]:
+        if sweep[seq][mode][scenario]["step_s"] > sweep[seq][REFERENCE][scenario]["step_s"]:
             break
         found = seq
     return found
@@ -335,7 +335,7 @@ def table(result: Dict) -> str:
     for mode, r in result["modes"].items():
         for key in SCENARIOS:
             t = r[key]
-            base = result["modes"].get("tp-sp", {}).get(key)
+            base = result["modes"].get(REFERENCE, {}).get(key)
             vs = f"{t['tokens_per_s_cluster'] / base['tokens_per_s_cluster']:.2f}x" if base else "-"
             lines.append(f"| {mode} | {key} | {t['step_s']:.3f} | {t['compute_s']:.3f} | "
                          f"{t['exposed_comm_s']:.3f} | {t['tokens_per_s_cluster']:.3g} | {t['mfu']:.1%} | {vs} |")

@@ -25,7 +25,7 @@ from megatron_tsp.core.sizes import DEFAULT_CP
 from megatron_tsp.env import run_record, shown_path
 from megatron_tsp.measure import figures, perfmodel
 from megatron_tsp.run import config as cfg
-from megatron_tsp.run.modes import check_layouts, get_mode
+from megatron_tsp.run.modes import REFERENCES, SUBJECT, check_layouts, get_mode
 
 RESERVE_FRACTION = 0.05
 RESERVE_GIB = 2.0
@@ -105,7 +105,7 @@ class Planner:
         return {"choices": rows, "best": max(fitting, key=lambda c: rows[c]["tokens_per_s"]) if fitting else None}
 
 
-def plan(config_path: str, hw: perfmodel.Hardware, nodes: int = 1, modes: List[str] = ("tsp", "tp-sp", "tp-cp"),
+def plan(config_path: str, hw: perfmodel.Hardware, nodes: int = 1, modes: List[str] = (SUBJECT,) + REFERENCES,
          cp: int = DEFAULT_CP, scenario: str = "overlap", grid: Optional[List[int]] = None,
          overrides: Optional[Dict] = None, fused_norm: bool = True) -> Dict:
     values = cfg.load_config(config_path)

@@ -1,11 +1,14 @@
-"""What a parallel mode is: the one place that knows ``tsp``, ``tp``, ``tp-sp`` and ``tp-cp``.
+"""What a parallel mode is: the one place that defines ``tsp``, ``tp``, ``tp-sp``, ``tp-cp``
+and the rest, and the roles comparisons give them.
 
 A mode lays a config's model-parallel size D out over the parallel dimensions (the same
 model, batch, sequence and recompute), chooses the transformer layers, the batch transform
 and the layers' own communication overlap, and says which process groups' traffic it hides
 behind compute (what the performance model needs). Training, the memory planner, the
 benchmark, the GPU check, the performance model and the tests all go through :data:`MODES`:
-adding a mode is one entry there.
+adding a mode is one entry there. A comparison names modes only by their role:
+:data:`SUBJECT`, its :data:`NO_OVERLAP` control and the :data:`REFERENCES` it is measured
+against (:data:`REFERENCE` first).
 """
 
 from __future__ import annotations
@@ -105,7 +108,7 @@ def _tp_cp(d: int, cp: int) -> Dict:
     return dict(tensor_model_parallel_size=d // cp, context_parallel_size=cp, sequence_parallel=d // cp > 1)
 
 
-_TSP = dict(tsp_layers=True, hides=("tsp_weight", "tp"), behind_attention=("tp",), device_max_connections=None,
+_TSP = dict(tsp_layers=True, hides=("tsp_weight", "tsp"), behind_attention=("tsp",), device_max_connections=None,
             inert_recompute={"core_attn": "TSP attention has no megatron core_attention; it keeps only its "
                                           "flash output and log-sum-exp already"})
 MODES: Dict[str, Mode] = {m.name: m for m in (
@@ -129,6 +132,16 @@ MODES: Dict[str, Mode] = {m.name: m for m in (
     Mode("tp-ring", lambda d, cp: dict(tensor_model_parallel_size=d, ring_mlp=True), hides=("tsp_weight",),
          hides_with_te=("tp",)),
 )}
+
+
+SUBJECT, NO_OVERLAP = "tsp", "tsp-no-overlap"
+REFERENCES = ("tp-sp", "tp-cp")  # TP+SP, and TP x CP for long sequences
+REFERENCE = REFERENCES[0]
+
+
+def ratio_key(reference: str) -> str:
+    """The results key of a step time relative to ``reference`` (``vs_tp_sp``)."""
+    return "vs_" + reference.replace("-", "_")
 
 
 def get_mode(name: str) -> Mode:

@@ -148,6 +148,10 @@ def install_kernel_contracts() -> None:
 
     def flash_backward(grad_out, q, k, v, out, lse, *args, **kwargs):
         expect(tuple(lse.shape) == (q.size(0), q.size(1), q.size(2)), "flash backward", f"lse {tuple(lse.shape)}")
+        # ROCm's flash kernel, AOTriton (pytorch aten/src/ATen/native/transformers/hip/flash_attn/aot/mha_all_aot.hip)
+        causal = kwargs.get("is_causal", args[5] if len(args) > 5 else False)
+        expect(not (torch.version.hip and causal and q.size(2) != k.size(2)), "flash backward (AOTriton)",
+               "For backwards kernel seqlen_q must equal seqlen_k for causal kernels")
         return flash_backward.original(grad_out, q, k, v, out, lse, *args, **kwargs)
 
     def cudnn_backward(grad_out, q, k, v, out, lse, *args, **kwargs):

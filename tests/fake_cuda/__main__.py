@@ -14,6 +14,8 @@ fake_cuda.install_torch_cuda()  # imports torch
 RUNTIME.fake_cuda_take_over()
 sys.path.insert(0, os.path.join(fake_cuda.TESTS, "standins"))  # flash_attn
 
+import torch  # noqa: E402
+
 from megatron_tsp.device import Device  # noqa: E402
 from megatron_tsp.measure import memory  # noqa: E402
 from megatron_tsp.run import compat  # noqa: E402
@@ -25,8 +27,12 @@ fake_cuda.install_kernel_contracts()  # after megatron-core's imports, which reg
 def one(case):
     values = cfg.load_config(os.path.join(fake_cuda.ROOT, case["config"]))
     values.update(case.get("overrides", {}))
-    result = memory.plan(values, case["mode"], attention_backend=case.get("backend", "auto"),
-                         device=Device("cuda"), fused_norm=case.get("fused_norm", True))
+    torch.version.hip = "6.4" if case.get("rocm") else None  # torch-ROCm: its flash kernel is AOTriton
+    try:
+        result = memory.plan(values, case["mode"], attention_backend=case.get("backend", "auto"),
+                             device=Device("cuda"), fused_norm=case.get("fused_norm", True))
+    finally:
+        torch.version.hip = None
     return {"peak_gib": result["peak_gib"], "flops": result["flops_per_rank"]}
 
 
