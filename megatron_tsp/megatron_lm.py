@@ -148,6 +148,11 @@ def add_tsp_args(parser):
                        help="TSP size D: weights and tokens sharded over D GPUs (tensor-parallel slot)")
     group.add_argument("--ring-mlp", action="store_true",
                        help="TSP's ring MLP in a TP model: weight shards rotate, no activation collectives")
+    if not any("--softmax-type" in action.option_strings for action in parser._actions):
+        # megatron-core's TransformerConfig.softmax_type, which Megatron-LM 0.16/0.19 have no flag for;
+        # core_transformer_config_from_args copies it into the config by name
+        group.add_argument("--softmax-type", choices=("vanilla", "off-by-one", "learnable"), default="vanilla",
+                           help="attention softmax: off-by-one (a sink logit 0) or learnable (one per head)")
     return parser
 
 

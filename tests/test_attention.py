@@ -42,14 +42,15 @@ def _submodules(qk_norm, norm=WrappedTorchNorm):
                                    linear_proj=RowParallelLinear, q_layernorm=norm, k_layernorm=norm)
 
 
-def _build(tsp_size, dtype, groups, qkv_bias, proj_bias, qk_norm, overlap=True, kv_channels=None):
+def _build(tsp_size, dtype, groups, qkv_bias, proj_bias, qk_norm, overlap=True, kv_channels=None,
+           softmax_type="vanilla"):
     """(stock reference at world 1, TSP module, solo groups), same seed and dtype. In bf16
     the TSP module runs the math backend of the attention op, whose rounding is that of the
     stock module's unfused attention: what is tested here is the TSP schedule; the flash
     kernel's own bf16 rounding is tested against float64 with the op."""
     ref_cfg, tsp_cfg = configs(tsp_size, dtype, hidden_size=HIDDEN, num_attention_heads=HEADS,
                                num_query_groups=groups, add_bias_linear=proj_bias, add_qkv_bias=qkv_bias,
-                               qk_layernorm=qk_norm, kv_channels=kv_channels)
+                               qk_layernorm=qk_norm, kv_channels=kv_channels, softmax_type=softmax_type)
     solo = solo_pg_collection()
     torch.manual_seed(0)
     ref = SelfAttention(ref_cfg, _submodules(qk_norm), layer_number=1,
@@ -57,7 +58,27 @@ def _build(tsp_size, dtype, groups, qkv_bias, proj_bias, qk_norm, overlap=True, 
     torch.manual_seed(0)
     tsp = TSPSelfAttention(tsp_cfg, _submodules(qk_norm, TSPNorm), layer_number=1, overlap_comm=overlap,
                            attention_backend="auto" if dtype == torch.float32 else "math")
+    if softmax_type == "learnable":
+        # the sinks' initialisation draws a per-rank shard, and the weights drawn after it then
+        # differ: copy them. Sinks of either sign and some weight; the owner's heads' (megatron's TP shard).
+        group = megatron_tsp.get_tsp_group()
+        with torch.no_grad():
+            ref.core_attention.softmax_offset.copy_(torch.linspace(-2.0, 2.0, HEADS))
+            for name, dim in (("core_attention.softmax_offset", 0), ("linear_qkv.weight", 0), ("linear_qkv.bias", 0),
+                              ("linear_proj.weight", 1), ("linear_proj.bias", None)):
+                mine, full = tsp.get_parameter(name) if _has(tsp, name) else None, _get(ref, name)
+                if mine is not None:
+                    mine.copy_(full if dim is None else shard_of(full, dim, group))
     return ref, tsp, solo
+
+
+def _has(module, name):
+    return _get(module, name) is not None
+
+
+def _get(module, name):
+    owner, _, leaf = name.rpartition(".")
+    return getattr(module.get_submodule(owner), leaf, None)
 
 
 def _run_tsp(tsp, x_full, dy_full, rope):
@@ -68,9 +89,10 @@ def _run_tsp(tsp, x_full, dy_full, rope):
     return out, bias, x
 
 
-def _one_case(tsp_size, dtype, groups, rope, qkv_bias, proj_bias, qk_norm, kv_channels=None):
+def _one_case(tsp_size, dtype, groups, rope, qkv_bias, proj_bias, qk_norm, kv_channels=None, softmax_type="vanilla"):
     group = megatron_tsp.get_tsp_group()
-    ref, tsp, solo = _build(tsp_size, dtype, groups, qkv_bias, proj_bias, qk_norm, kv_channels=kv_channels)
+    ref, tsp, solo = _build(tsp_size, dtype, groups, qkv_bias, proj_bias, qk_norm, kv_channels=kv_channels,
+                            softmax_type=softmax_type)
     g = torch.Generator().manual_seed(1)
     x_full = torch.randn(SEQ, BATCH, HIDDEN, generator=g).to(dtype)
     dy_full = torch.randn(SEQ, BATCH, HIDDEN, generator=g).to(dtype)
@@ -96,6 +118,9 @@ def _one_case(tsp_size, dtype, groups, rope, qkv_bias, proj_bias, qk_norm, kv_ch
         errors["dbproj"] = replicated_bias_error(bias, bias_ref, dy_full, group)
     else:
         assert bias is None and bias_ref is None
+    if softmax_type == "learnable":
+        errors["dsink"] = rel_err(tsp.core_attention.softmax_offset.grad,
+                                  shard_of(ref.core_attention.softmax_offset.grad, 0, group))
     if qk_norm:
         errors["dq_norm"] = rel_err(summed(tsp.q_layernorm.weight.grad, group), ref.q_layernorm.weight.grad)
         errors["dk_norm"] = rel_err(summed(tsp.k_layernorm.weight.grad, group), ref.k_layernorm.weight.grad)
@@ -106,7 +131,10 @@ CASES = [
     dict(groups=g, rope=r, qkv_bias=qb, proj_bias=pb, qk_norm=qn)
     for g, r, (qb, pb), qn in itertools.product((8, 4), (True, False), ((False, False), (True, True)), (False,))
 ] + [dict(groups=4, rope=True, qkv_bias=False, proj_bias=False, qk_norm=True),
-      dict(groups=4, rope=True, qkv_bias=False, proj_bias=True, qk_norm=False, kv_channels=12)]  # a*d != h
+      dict(groups=4, rope=True, qkv_bias=False, proj_bias=True, qk_norm=False, kv_channels=12),  # a*d != h
+      # megatron's softmax types (gpt-oss's attention sinks): a sink logit per head, learnable or 0
+      dict(groups=4, rope=True, qkv_bias=False, proj_bias=False, qk_norm=False, softmax_type="learnable"),
+      dict(groups=8, rope=False, qkv_bias=True, proj_bias=True, qk_norm=False, softmax_type="off-by-one")]
 
 
 def _all_cases(tsp_size, dtype):

@@ -55,6 +55,30 @@ def test_tsp_with_dp_pp_and_recompute(ranks, single, single_checkpoint, kwargs):
         assert_history_close(history, single["modern"])
 
 
+@pytest.fixture(scope="module")
+def sinks(ranks, tmp_path_factory):
+    """A world=1 model with megatron's learnable softmax sinks: (its initial weights, its
+    training). Each layout initialises its shard of the sinks, so every run loads the weights."""
+    path = str(tmp_path_factory.mktemp("sinks") / "init")
+    ranks(1, run, "single", "modern", steps=0, save=path, softmax_type="learnable")
+    return path, ranks(1, run, "single", "modern", steps=STEPS, load=path, softmax_type="learnable")[0]
+
+
+@pytest.mark.parametrize("softmax_type", ["learnable", "off-by-one"])
+@pytest.mark.parametrize("mode,kwargs", [("tsp", dict(tsp=2)), ("tsp", dict(tsp=4)), ("tp-sp", dict(tp=2)),
+                                         ("tp-cp", dict(cp=2))], ids=["tsp2", "tsp4", "tp2-sp", "cp2"])
+def test_softmax_sinks_train_like_single_process(ranks, sinks, softmax_type, mode, kwargs):
+    """megatron-core's softmax types (gpt-oss's attention sinks: TransformerEngine #2541 forces
+    the a2a CP variant for them): TSP, and the baselines on the attention op TSP uses, train as
+    the world=1 stock model (its local attention's softmax with the sink column)."""
+    path, learnable = sinks
+    expected = learnable if softmax_type == "learnable" else \
+        ranks(1, run, "single", "modern", steps=STEPS, load=path, softmax_type=softmax_type)[0]
+    size = kwargs.get("tsp", 1) * kwargs.get("tp", 1) * kwargs.get("cp", 1)
+    for history in ranks(size, run, mode, "modern", steps=STEPS, load=path, softmax_type=softmax_type, **kwargs):
+        assert_history_close(history, expected)
+
+
 def test_tsp_and_tp_sp_loss_curves_match(ranks):
     tsp = ranks(2, run, "tsp", "modern", steps=STEPS, tsp=2)[0]
     tp_sp = ranks(2, run, "tp-sp", "modern", steps=STEPS, tp=2)[0]

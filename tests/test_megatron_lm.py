@@ -243,3 +243,14 @@ def test_rendered_configs_parse_with_megatron_lm(name):
         assert (tsp, tp, sp) == ("1", "8", "True") and "ring_layer_spec" in spec
     else:
         assert tsp == "1" and spec == "None"
+
+
+def test_learnable_softmax_sinks_through_pretrain_tsp_equals_tp_sp(tree, stock):
+    """`--softmax-type` (megatron-core's TransformerConfig.softmax_type; Megatron-LM has no flag
+    for it): the script adds it, the config takes it by name, and TSP2 trains as Megatron-LM's
+    own TP2+SP layers with the same sinks."""
+    tsp_losses, printed = _pretrain(tree, None, "--tsp-size", "2", "--softmax-type", "learnable")
+    assert printed["softmax_type"] == "learnable"
+    tp_losses, _ = _pretrain(tree, None, *TP_SP, "--softmax-type", "learnable")
+    _close(tsp_losses, tp_losses)
+    assert tsp_losses[1] != stock[0][1]  # the sinks are there: not the vanilla softmax's loss

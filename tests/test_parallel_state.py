@@ -121,3 +121,35 @@ def test_plain_tp_has_no_tsp_group(ranks):
 def test_uninitialized_errors():
     with pytest.raises(RuntimeError, match="initialize_model_parallel"):
         megatron_tsp.get_tsp_group()
+
+
+def _groups_warmed_at_initialization():
+    """Which of megatron's groups an initialisation on a device talks on (NCCL creates a
+    communicator at its first collective: for the data-parallel group that was inside the
+    first step's backward hooks)."""
+    import torch
+
+    from megatron_tsp.core import parallel_state as tsp_state
+
+    talked, real = [], dist.all_reduce
+
+    def recording(tensor, *args, group=None, **kwargs):
+        talked.append(group)
+        return real(tensor, *args, group=group, **kwargs)
+
+    dist.all_reduce = recording
+    try:
+        megatron_tsp.initialize_model_parallel(tsp_size=2, pipeline_model_parallel_size=2,
+                                               device=torch.device("cpu"))
+    finally:
+        dist.all_reduce = real
+    try:
+        wanted = {"tsp": tsp_state.get_tsp_group(), "tsp weights": tsp_state.get_weight_group(),
+                  "dp": mpu.get_data_parallel_group(), "pp": mpu.get_pipeline_model_parallel_group()}
+        return sorted(name for name, group in wanted.items() if any(g is group for g in talked))
+    finally:
+        megatron_tsp.destroy_model_parallel()
+
+
+def test_every_group_a_step_talks_on_is_warmed_up(ranks):
+    assert ranks(8, _groups_warmed_at_initialization) == [["dp", "pp", "tsp", "tsp weights"]] * 8

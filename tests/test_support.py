@@ -58,8 +58,9 @@ def _default_only_fields():
 
 def test_every_config_field_tsp_does_not_implement_is_refused_away_from_its_default():
     """An allow-list: softmax_type='learnable' (0.16.1's local attention has it) once gave vanilla
-    softmax and no sink without a word. Walk TransformerConfig: each field that is neither
-    implemented, nor harmless, nor a rule's is refused, at construction, in one line naming it."""
+    softmax and no sink without a word (it is implemented now: test_attention, test_gpt). Walk
+    TransformerConfig: each field that is neither implemented, nor harmless, nor a rule's is
+    refused, at construction, in one line naming it."""
     import dataclasses
 
     import torch
@@ -69,7 +70,7 @@ def test_every_config_field_tsp_does_not_implement_is_refused_away_from_its_defa
 
     fields = _default_only_fields()
     names = {f.name for f in fields}
-    assert {"softmax_type", "window_attn_skip_freq", "no_rope_freq", "qk_l2_norm"} <= names
+    assert {"window_attn_skip_freq", "no_rope_freq", "qk_l2_norm"} <= names
     base = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True,
                              tensor_model_parallel_size=2, sequence_parallel=True, params_dtype=torch.float32,
                              attention_dropout=0.0)

@@ -219,3 +219,22 @@ def test_a_run_that_needs_many_epochs_of_its_corpus_says_so(tmp_path):
     assert out.stderr.strip().splitlines() == [
         "megatron-tsp train: warning: 2 iterations of 8 x 128 tokens are 205 epochs of --data-path's training split; "
         "every token is seen that often"], out.stderr
+
+
+def test_learnable_softmax_sinks_train_tsp_and_tp_sp_from_the_same_loss(ranks, tmp_path, uninterrupted):
+    """`megatron-tsp train --softmax-type learnable` (megatron-core's TransformerConfig.softmax_type,
+    which Megatron-LM has no flag for): TSP2 and TP2+SP start from the same loss, and the sinks
+    change it (the default model's first loss differs)."""
+    from megatron_tsp.cli import build_parser
+    from megatron_tsp.run import config
+
+    ns = build_parser().parse_args(["train", TINY, "--softmax-type", "learnable"])
+    assert config.overrides(ns) == dict(softmax_type="learnable")
+    first = {}
+    for name, layout in (("tsp", dict(tsp_size=2)),
+                         ("tp-sp", dict(tsp_size=1, tensor_model_parallel_size=2, sequence_parallel=True))):
+        log = tmp_path / f"{name}.jsonl"
+        ranks(2, _train_logged, dict(layout, softmax_type="learnable", train_iters=1), tmp_path, log)
+        first[name] = _records(log)[0]["loss"]
+    assert abs(first["tsp"] - first["tp-sp"]) <= 1e-5 * first["tp-sp"], first
+    assert first["tsp"] != uninterrupted[1]["loss"]

@@ -42,10 +42,13 @@ from torch._subclasses.fake_tensor import is_fake
 
 from megatron_tsp.core import comm, zigzag
 from megatron_tsp.core.block_attention import (
+    apply_sink,
     attend_backward_into,
     attend_into,
+    bhsd,
     bottom_right,
     resolve_backend,
+    sink_grad,
     validate_backend,
     zigzag_blocks,
 )
@@ -226,8 +229,10 @@ class TSPSelfAttention(SelfAttention):
             backend=backend, width=self.query_projection_size, head_dim=self.hidden_size_per_attention_head,
             kv_heads=self.num_query_groups_per_partition, has_bias=self.linear_qkv.bias is not None,
             overlap=self.overlap_comm, lookahead=self.lookahead,
-            chain=self.chain, module=self)
-        output = StreamAttentionHeads.apply(args, hidden_states, *self.shard_tensors(), *self.replicated_parameters())
+            chain=self.chain, module=self, softmax_type=self.config.softmax_type)
+        sink = [self.core_attention.softmax_offset] if self.config.softmax_type == "learnable" else []
+        output = StreamAttentionHeads.apply(args, hidden_states, *self.shard_tensors(), *self.replicated_parameters(),
+                                            *sink)
         return output, self.linear_proj.bias
 
 
@@ -257,6 +262,7 @@ class AttentionScheduleArgs:
     lookahead: int
     chain: LayerChain
     module: object
+    softmax_type: str = "vanilla"  # megatron's: vanilla, off-by-one (a sink logit 0), learnable (its parameter)
 
     def columns(self, r: int) -> slice:
         """Head group r's columns of the concatenated attention output O (and rows of
@@ -291,8 +297,10 @@ class StreamAttentionHeads(torch.autograd.Function):
     @staticmethod
     def forward(ctx, args: AttentionScheduleArgs, x, *params):
         n_shard = 3 if args.has_bias else 2
-        own, replicated = params[:n_shard], params[n_shard:]
+        learnable = args.softmax_type == "learnable"
+        own, replicated = params[:n_shard], params[n_shard:len(params) - learnable]
         d_size = args.kv_group.size()
+        sinks = head_group_sinks(args, params[-1] if learnable else None, x.device)
         out = x.new_empty(x.shape[:2] + (args.width,))  # O: head group r in columns(r)
         proj = own[-1] if d_size == 1 else own[-1].new_empty(own[-1].size(0), args.width)
         projections, lses = [None] * d_size, []
@@ -327,15 +335,17 @@ class StreamAttentionHeads(torch.autograd.Function):
                         keys, values = group.kv.wait_first() if i == 0 else group.kv.wait()
                     else:
                         keys, values = group.kv[:, 0], group.kv[:, 1]
-                    lses.append(attend_into(group.query[rows], keys, values, blocks, args.softmax_scale,
-                                            args.backend, o[rows]))
+                    lse = attend_into(group.query[rows], keys, values, blocks, args.softmax_scale,
+                                      args.backend, o[rows])
+                    lses.append(lse if sinks is None else apply_sink(bhsd(o[rows])[0], lse, sinks[r]))
                 if not args.overlap and r + 1 < d_size:
                     stream.start(r + 1)
                     upcoming = project(r + 1)
                 group = upcoming
         y = F.linear(out, proj)  # one GEMM over the head groups: fp32 inside, rounded once
         ctx.args = replace(args, rope=None)  # the tables travel as saved tensors
-        Saved(x, out, own, replicated, projections, lses, list(args.rope or ())).save(ctx)
+        Saved(x, out, own, replicated, projections, lses, list(args.rope or ()),
+              [] if sinks is None else [sinks]).save(ctx)
         return y
 
     @staticmethod
@@ -371,15 +381,36 @@ class StreamAttentionHeads(torch.autograd.Function):
             if scattering is not None:
                 grads.weights(scattering, stream)
             own_grad = stream.own_grad()
+        d_sink = [grads.own_sink_grad()] if args.softmax_type == "learnable" else []
         return (None, grads.dx.view_as(saved.x).to(saved.x.dtype), *deliver_grads(saved.own, own_grad),
-                *(g.to(p.dtype) for g, p in zip(grads.d_replicated, saved.replicated)))
+                *(g.to(p.dtype) for g, p in zip(grads.d_replicated, saved.replicated)), *d_sink)
+
+
+def head_group_sinks(args: AttentionScheduleArgs, sink: Optional[torch.Tensor], device) -> Optional[torch.Tensor]:
+    """Every head group's sink logits ``[D, a/D]`` in fp32 (:func:`apply_sink`): megatron's
+    learnable ones all-gathered from their owners (rank r holds head group r's, as it holds
+    its weights), off-by-one's zeros; None for the vanilla softmax."""
+    if args.softmax_type == "vanilla":
+        return None
+    d_size = args.kv_group.size()
+    heads = args.width // args.head_dim // d_size
+    if sink is None:
+        return torch.zeros(d_size, heads, device=device)
+    sink = sink.detach().float().contiguous()
+    if d_size == 1:
+        return sink.view(1, heads)
+    full = sink.new_empty(d_size * heads)
+    dist.all_gather_into_tensor(full, sink, group=args.kv_group)
+    return full.view(d_size, heads)
 
 
 class Saved(NamedTuple):
     """What the forward keeps for backward (by ``save_for_backward``, so that saved-tensor
     hooks see it): the input, the concatenated attention output O, per head group r the
-    projection ``m_r``, per head group and query chunk the log-sum-exp (group-major), and the
-    RoPE tables of this rank's tokens (empty without RoPE)."""
+    projection ``m_r``, per head group and query chunk the log-sum-exp (group-major), the
+    RoPE tables of this rank's tokens (empty without RoPE), and every head group's sink
+    logits ``[D, a/D]`` (empty with megatron's vanilla softmax; O and the lse are then those
+    of the softmax with the sink, :func:`apply_sink`)."""
 
     x: torch.Tensor
     out: torch.Tensor
@@ -388,11 +419,12 @@ class Saved(NamedTuple):
     projections: List[torch.Tensor]
     lses: List[torch.Tensor]
     rope: List[torch.Tensor]
+    sinks: List[torch.Tensor]
 
     def save(self, ctx) -> None:
-        ctx.saved_layout = [len(p) for p in (self.own, self.replicated, self.projections, self.lses)]
+        ctx.saved_layout = [len(p) for p in (self.own, self.replicated, self.projections, self.lses, self.rope)]
         ctx.save_for_backward(self.x, self.out, *self.own, *self.replicated, *self.projections, *self.lses,
-                              *self.rope)
+                              *self.rope, *self.sinks)
 
     @classmethod
     def load(cls, ctx) -> "Saved":
@@ -441,6 +473,8 @@ class HeadGroupGradients:
         self.dx: Optional[torch.Tensor] = None
         self._dkv: List[Optional[torch.Tensor]] = [None, None]
         self.d_replicated = [torch.zeros_like(p, dtype=torch.float32) for p in saved.replicated]
+        # every head group's sink gradient from this rank's queries, summed at its owner at the end
+        self.d_sinks = torch.zeros_like(saved.sinks[0]) if args.softmax_type == "learnable" else None
 
     def inputs(self, r: int, inflight: comm.InFlight) -> HeadGroupInputs:
         mixed = self.saved.projections[r].detach().requires_grad_()
@@ -471,14 +505,26 @@ class HeadGroupGradients:
         # is final and travels while the first chunk's backward runs
         for pos, i in enumerate(reversed(range(n))):
             rows, blocks = args.chunks[i]
-            attend_backward_into(d_out[rows], query[rows], keys, values, out[rows], self.saved.lses[r * n + i],
+            lse = self.saved.lses[r * n + i]
+            attend_backward_into(d_out[rows], query[rows], keys, values, out[rows], lse,
                                  blocks, args.softmax_scale, args.backend, dq[rows], dkv[:, 0], dkv[:, 1],
                                  zero_untouched=fresh and pos == 0, accumulate=pos > 0)
+            if self.d_sinks is not None:
+                self.d_sinks[r] += sink_grad(*bhsd(d_out[rows], out[rows]), lse, self.saved.sinks[0][r])
             if spread and pos == 0:
                 scatter.post_second_halves()
         if spread:
             scatter.post_first_halves()
         return HeadGroupAttentionGrads(r, shard, inputs, dq, scatter, flat)
+
+    def own_sink_grad(self) -> torch.Tensor:
+        """This rank's head group's sink gradient: every rank's part of it, summed here."""
+        group = self.args.kv_group
+        if group.size() == 1:
+            return self.d_sinks[0]
+        own = self.d_sinks.new_empty(self.d_sinks.size(1))
+        dist.reduce_scatter_tensor(own, self.d_sinks.view(-1), group=group)
+        return own
 
     def _dkv_buffer(self, r: int, keys: torch.Tensor) -> Tuple[torch.Tensor, bool]:
         """Head group r's fp32 dK/dV buffer and whether it is fresh. Two buffers alternate

@@ -18,7 +18,10 @@ import math
 from functools import partial
 from typing import Optional
 
+import torch
+
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.module import MegatronModule
@@ -52,14 +55,26 @@ class FlashDotProductAttention(MegatronModule):
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         if dropout > 0:
             raise ValueError("FlashDotProductAttention does not support attention dropout; set --attention-dropout 0")
-        self.cp_group = pg_collection.cp if pg_collection is not None else None
-        if self.cp_group is None:
-            from megatron.core import parallel_state
+        from megatron.core import parallel_state
 
-            self.cp_group = parallel_state.get_context_parallel_group()
+        self.cp_group = getattr(pg_collection, "cp", None) or parallel_state.get_context_parallel_group()
+        self.tp_group = getattr(pg_collection, "tp", None) or parallel_state.get_tensor_model_parallel_group()
         self.softmax_scale = softmax_scale or 1.0 / math.sqrt(config.kv_channels)
         self.backend = validate_backend(attention_backend)
         self.zigzag = zigzag.IndexCache()
+        # megatron's softmax types, as its DotProductAttention holds them (the same name and
+        # sharding in checkpoints: its sharded_state_dict below): a sink logit per local head
+        heads = config.num_attention_heads // self.tp_group.size()
+        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        self.softmax_offset = None
+        if config.softmax_type == "off-by-one":
+            self.softmax_offset = torch.zeros(heads, device=device, dtype=config.params_dtype)
+        elif config.softmax_type == "learnable":
+            self.softmax_offset = torch.nn.Parameter(torch.empty(heads, device=device, dtype=config.params_dtype))
+            if config.perform_initialization:
+                config.init_method(self.softmax_offset)
+
+    sharded_state_dict = DotProductAttention.sharded_state_dict
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
@@ -71,7 +86,7 @@ class FlashDotProductAttention(MegatronModule):
             indices = self.zigzag.get(key.size(0) * size, size, rank, key.device)
             key, value = AllGatherKV.apply(key, value, self.cp_group, indices)
             chunk_ids = zigzag.rank_chunks(size, rank)
-        out = block_attention(query, key, value, chunk_ids, self.softmax_scale, self.backend)
+        out = block_attention(query, key, value, chunk_ids, self.softmax_scale, self.backend, self.softmax_offset)
         return out.reshape(out.size(0), out.size(1), -1)
 
 

@@ -611,21 +611,66 @@ def _flops_backward(dout_shape, q_shape, k_shape, v_shape, out_shape_, lse_shape
     return _flops_of(q_shape, blocks_flat) * 5 // 2
 
 
-def _bhsd(*tensors):
+def bhsd(*tensors):
     """Megatron's ``[s, b, h, d]`` as the kernels' ``[b, h, s, d]`` (views)."""
     return tuple(t.permute(1, 2, 0, 3) for t in tensors)
 
 
-def block_attention(query, keys, values, chunk_ids: Sequence[int], scale: float, backend: str) -> torch.Tensor:
+def apply_sink(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+    """A softmax with one more logit per head, ``sink`` (megatron's ``softmax_type``: 0 for
+    off-by-one, a parameter for learnable), whose value vector is zero: it takes its share
+    of each row's probability mass, out' = out · σ(lse − sink), lse' = logaddexp(lse, sink).
+    ``out`` ``[b, h, sq, d]`` is rescaled in place; returns lse' ``[b, h, sq]``. The kernels'
+    backward from (out', lse') is then exact for q, k and v (their softmax Jacobian sums over
+    the sink's column too, whose dP is 0); :func:`sink_grad` is the sink's."""
+    merged = torch.logaddexp(lse, sink.float().view(1, -1, 1))
+    out.mul_(torch.exp(lse - merged).unsqueeze(-1))
+    return merged
+
+
+def sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+    """d loss / d sink_h = −Σ_{b,q} p_sink · rowsum(dout ∘ out'), p_sink = exp(sink − lse'),
+    from :func:`apply_sink`'s out' and lse' (``[b, h, sq, d]``, ``[b, h, sq]``); fp32 ``[h]``."""
+    delta = (dout.float() * out.float()).sum(-1)
+    return -(torch.exp(sink.float().view(1, -1, 1) - lse) * delta).sum((0, 2))
+
+
+class _SinkAttention(torch.autograd.Function):
+    """:func:`block_attention` with a sink logit per head (:func:`apply_sink`)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sink, blocks_flat, scale, backend):
+        out, lse = _block_attention(q, k, v, blocks_flat, scale, backend)
+        lse = apply_sink(out, lse, sink)
+        ctx.save_for_backward(q, k, v, out, lse, sink)
+        ctx.args = (blocks_flat, scale, backend)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, sink = ctx.saved_tensors
+        dq = torch.empty_like(q)
+        dk = torch.empty_like(k, dtype=torch.float32)
+        dv = torch.empty_like(v, dtype=torch.float32)
+        _block_attention_backward(dout, q, k, v, out, lse, *ctx.args, dq, dk, dv, True, False)
+        return dq, dk.to(k.dtype), dv.to(v.dtype), sink_grad(dout, out, lse, sink).to(sink.dtype), None, None, None
+
+
+def block_attention(query, keys, values, chunk_ids: Sequence[int], scale: float, backend: str,
+                    sink: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Megatron layout: query ``[sq, b, hq, d]`` (its chunks at ``chunk_ids``), keys/values
-    ``[sk, b, hk, d]`` in global order, hq a multiple of hk. Returns ``out [sq, b, hq, d]``,
-    differentiable by the op's own backward (from the saved lse)."""
-    q, k, v = _bhsd(query, keys, values)
+    ``[sk, b, hk, d]`` in global order, hq a multiple of hk; ``sink``: a logit per query head
+    (:func:`apply_sink`). Returns ``out [sq, b, hq, d]``, differentiable by the op's own
+    backward (from the saved lse)."""
+    q, k, v = bhsd(query, keys, values)
     planned = is_fake(query)
     backend = resolve_backend(backend, query.device, query.dtype, planned=planned, keys=keys.size(0))
     aligned = bottom_right(backend, query.device, query.dtype, planned=planned)
-    chunk_blocks = blocks(chunk_ids, q.size(2) // len(chunk_ids), aligned)
-    out, _ = _block_attention(q, k, v, _flat(chunk_blocks), float(scale), backend)
+    chunk_blocks = _flat(blocks(chunk_ids, q.size(2) // len(chunk_ids), aligned))
+    if sink is None:
+        out, _ = _block_attention(q, k, v, chunk_blocks, float(scale), backend)
+    else:
+        out = _SinkAttention.apply(q, k, v, sink, chunk_blocks, float(scale), backend)
     return out.permute(2, 0, 1, 3)
 
 
@@ -633,7 +678,7 @@ def attend_into(query, keys, values, blocks_: Sequence[Block], scale: float, bac
     """Megatron layout, for a hand-written schedule: attention over explicit ``blocks_`` (rows
     of query and keys) written into ``out`` ``[sq, b, hq, d]`` (a view of a bigger buffer
     will do); returns the lse ``[b, hq, sq]`` to save for :func:`attend_backward_into`."""
-    q, k, v, o = _bhsd(query, keys, values, out)
+    q, k, v, o = bhsd(query, keys, values, out)
     return _block_attention_into(q, k, v, _flat(blocks_), float(scale), backend, o)
 
 
@@ -648,6 +693,6 @@ def attend_backward_into(d_out, query, keys, values, out, lse, blocks_: Sequence
     writes them)."""
     if zero_untouched and accumulate:
         raise ValueError("attend_backward_into: zero_untouched would erase what accumulate adds to")
-    do, q, k, v, o, dq, dk, dv = _bhsd(d_out, query, keys, values, out, d_query, d_keys, d_values)
+    do, q, k, v, o, dq, dk, dv = bhsd(d_out, query, keys, values, out, d_query, d_keys, d_values)
     _block_attention_backward(do, q, k, v, o, lse, _flat(blocks_), float(scale), backend, dq, dk, dv,
                               zero_untouched, accumulate)

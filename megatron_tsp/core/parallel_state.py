@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-from typing import Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -54,8 +54,9 @@ def initialize_model_parallel(
     ``megatron_kwargs`` go to ``megatron.core.parallel_state.initialize_model_parallel``
     (for example ``virtual_pipeline_model_parallel_size``, ``distributed_timeout_minutes``).
     With ``tsp_size == 1`` a ``tensor_model_parallel_size`` > 1 gives a plain TP baseline.
-    ``device``: the device of this rank's collectives; the TSP communicators are then
-    created now (:func:`warm_up`) rather than in the middle of the first step. ``ring_mlp``
+    ``device``: the device of this rank's collectives; the communicators of every group a
+    step talks on (TSP's and megatron's) are then created now (:func:`warm_up`) rather than
+    in the middle of the first step. ``ring_mlp``
     (plain TP): the ring MLP's communicator over the tensor-parallel ranks
     (:func:`resolve_ring_groups`).
     """
@@ -83,15 +84,15 @@ def initialize_model_parallel(
     _INITIALIZED = True
     # The TSP group is the tensor-parallel group; it does not exist as such when TSP is off
     # and plain TP is on (a TSP module there would be a mistake).
+    weight_group = None
     if tp == 1:
         _TSP_GROUP = mpu.get_tensor_model_parallel_group()
-        _TSP_WEIGHT_GROUP = _new_weight_group(_TSP_GROUP, megatron_kwargs)
-        if device is not None:
-            warm_up(device, _TSP_GROUP, _TSP_WEIGHT_GROUP)
+        _TSP_WEIGHT_GROUP = weight_group = _new_weight_group(_TSP_GROUP, megatron_kwargs)
     elif ring_mlp:
-        _RING_WEIGHT_GROUP = _new_weight_group(mpu.get_tensor_model_parallel_group(), megatron_kwargs)
-        if device is not None:
-            warm_up(device, mpu.get_tensor_model_parallel_group(), _RING_WEIGHT_GROUP)
+        _RING_WEIGHT_GROUP = weight_group = _new_weight_group(mpu.get_tensor_model_parallel_group(), megatron_kwargs)
+    if device is not None:
+        weights = [weight_group] if weight_group is not None else []
+        warm_up(device, _megatron_groups() + weights, rings=weights + [mpu.get_pipeline_model_parallel_group()])
 
 
 def adopt_megatron_groups(tsp_size: int, ring_mlp: bool = False) -> None:
@@ -109,7 +110,7 @@ def adopt_megatron_groups(tsp_size: int, ring_mlp: bool = False) -> None:
         torch.device("cpu")
     if ring_mlp and tsp_size == 1:
         _RING_WEIGHT_GROUP = _new_weight_group(group, {})
-        warm_up(device, group, _RING_WEIGHT_GROUP)
+        warm_up(device, [group, _RING_WEIGHT_GROUP], rings=[_RING_WEIGHT_GROUP])
         return
     if tp != tsp_size:
         raise ValueError(f"--tsp-size {tsp_size} but megatron's tensor-parallel size is {tp}; "
@@ -117,27 +118,36 @@ def adopt_megatron_groups(tsp_size: int, ring_mlp: bool = False) -> None:
     _INITIALIZED = True
     _TSP_GROUP = group
     _TSP_WEIGHT_GROUP = _new_weight_group(group, {})
-    warm_up(device, _TSP_GROUP, _TSP_WEIGHT_GROUP)
+    warm_up(device, [_TSP_GROUP, _TSP_WEIGHT_GROUP], rings=[_TSP_WEIGHT_GROUP])
 
 
-def warm_up(device: torch.device, group: dist.ProcessGroup, weight_group: dist.ProcessGroup) -> None:
-    """Create the TSP communicators now: NCCL/RCCL create a communicator at its first
-    collective and a point-to-point pair at its first send, which would otherwise happen in
-    the middle of the first step (and be counted in its time). One all-reduce on each TSP
-    group and one ring exchange (to the next rank, from the previous) on the weight group,
-    as TSP's layers use them. Collective over the group."""
-    d_size = group.size()
-    if d_size == 1:
-        return
+def warm_up(device: torch.device, groups: Sequence[dist.ProcessGroup],
+            rings: Sequence[dist.ProcessGroup] = ()) -> None:
+    """Create communicators now: NCCL/RCCL create a communicator at its first collective and a
+    point-to-point pair at its first send, which would otherwise happen in the middle of the
+    first step (a data-parallel one inside its backward hooks; counted in its time). One
+    all-reduce on each of ``groups`` and one ring exchange (to the next rank, from the
+    previous) on each of ``rings``, as the layers use them. Every rank calls it with its own
+    groups of each kind in the same order: collective over each group."""
     probe = torch.zeros(1, device=device)
-    for g in {id(g): g for g in (group, weight_group)}.values():
-        dist.all_reduce(probe, group=g)
-    rank = weight_group.rank()
-    incoming = torch.empty_like(probe)
-    ops = [dist.P2POp(dist.isend, probe, dist.get_global_rank(weight_group, (rank + 1) % d_size), weight_group),
-           dist.P2POp(dist.irecv, incoming, dist.get_global_rank(weight_group, (rank - 1) % d_size), weight_group)]
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
+    for group in {id(g): g for g in groups if g.size() > 1}.values():
+        dist.all_reduce(probe, group=group)
+    for ring in {id(g): g for g in rings if g.size() > 1}.values():
+        rank, size = ring.rank(), ring.size()
+        incoming = torch.empty_like(probe)
+        ops = [dist.P2POp(dist.isend, probe, dist.get_global_rank(ring, (rank + 1) % size), ring),
+               dist.P2POp(dist.irecv, incoming, dist.get_global_rank(ring, (rank - 1) % size), ring)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+
+def _megatron_groups() -> List[dist.ProcessGroup]:
+    """megatron's groups a training step talks on, besides TSP's: the tensor-parallel and
+    context-parallel layers', the gradient reduce's and the distributed optimizer's, the
+    pipeline's."""
+    return [mpu.get_tensor_model_parallel_group(), mpu.get_context_parallel_group(),
+            mpu.get_data_parallel_group(), mpu.get_data_parallel_group(with_context_parallel=True),
+            mpu.get_intra_distributed_optimizer_instance_group(), mpu.get_pipeline_model_parallel_group()]
 
 
 def _new_weight_group(group: dist.ProcessGroup, megatron_kwargs) -> dist.ProcessGroup:

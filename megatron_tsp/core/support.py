@@ -138,7 +138,7 @@ RULES: List[Rule] = [
 
 # TransformerConfig, field by field: what a TSP layer may be given. Every field of megatron-core
 # 0.16's and 0.19's config that is neither below nor read by a rule of RULES changes a layer's
-# math in a way TSP does not compute (softmax_type, window_attn_skip_freq, no_rope_freq,
+# math in a way TSP does not compute (window_attn_skip_freq, no_rope_freq,
 # qk_l2_norm, use_mup, ...), or was added after someone last looked (a later megatron-core's):
 # it is refused at any value but its default (:func:`unlisted_settings`).
 CONFIG_IMPLEMENTED = frozenset({
@@ -150,7 +150,7 @@ CONFIG_IMPLEMENTED = frozenset({
     "glu_linear_offset", "activation_func_clamp_value", "hidden_dropout", "fp32_residual_connection",
     "params_dtype", "fp16", "bf16", "init_method", "output_layer_init_method", "init_method_std",
     "embedding_init_method", "embedding_init_method_std", "perform_initialization", "use_cpu_initialization",
-    "calculate_per_token_loss",
+    "calculate_per_token_loss", "softmax_type",
 })
 CONFIG_NEUTRAL = frozenset({
     # how the math runs, not what it is: fusions, kernels, recompute, offloading, graphs, logging

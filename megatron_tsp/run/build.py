@@ -55,6 +55,7 @@ def transformer_config(args, device: Device) -> TransformerConfig:
         add_qkv_bias=args.add_qkv_bias,
         qk_layernorm=args.qk_layernorm,
         attention_dropout=args.attention_dropout,
+        softmax_type=args.softmax_type,
         hidden_dropout=args.hidden_dropout,
         init_method_std=args.init_method_std,
         layernorm_epsilon=args.norm_epsilon,
@@ -77,6 +78,8 @@ def model_args(args) -> Dict[str, Any]:
             "add_qkv_bias", "qk_layernorm", "untie_embeddings_and_output_weights"]
     if args.position_embedding_type == "learned_absolute":
         keys.append("max_position_embeddings")
+    if args.softmax_type != "vanilla":  # learnable: one more parameter; both: other math
+        keys.append("softmax_type")
     out = {key: getattr(args, key) for key in keys}
     out["padded_vocab_size"] = data.padded_vocab(args)
     return out

@@ -54,6 +54,8 @@ ARGUMENTS: Dict[str, Arg] = {
     "disable_bias_linear": _b("no biases in linear layers"),
     "add_qkv_bias": _b("QKV bias even with disable_bias_linear"),
     "qk_layernorm": _b("layer norm on queries and keys"),
+    "softmax_type": Arg(str, "vanilla", "attention softmax: vanilla, off-by-one (a sink logit 0) or learnable "
+                                        "(a sink logit per head, trained; gpt-oss's attention sinks)"),
     "untie_embeddings_and_output_weights": _b("separate output layer weights"),
     "attention_dropout": Arg(float, 0.1, "attention dropout (TSP needs 0)"),
     "hidden_dropout": Arg(float, 0.1, "hidden dropout"),
@@ -269,6 +271,7 @@ MAX_SEED = 2**31
 RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm")  # megatron's, for dense GPT models
 CHOICES = {
     "position_embedding_type": ("rope", "learned_absolute"),
+    "softmax_type": ("vanilla", "off-by-one", "learnable"),
     "normalization": ("LayerNorm", "RMSNorm"),
     "lr_decay_style": ("constant", "linear", "cosine", "inverse-square-root"),
     "recompute_granularity": (None, "full", "selective"),
