@@ -18,7 +18,7 @@ def _comm(group, nbytes, calls=1):
 def test_overlap_hides_only_the_modes_overlappable_traffic():
     gb = 1e9
     total = {"flops": 2 * HW.peak_tflops * 1e12 * HW.matmul_efficiency, "attention_flops": 0,
-             "comm": {**_comm("tsp_weight", 300 * gb), **_comm("tp", 30 * gb)}}
+             "comm": {**_comm("tsp_weight", 300 * gb), **_comm("tsp", 30 * gb)}}
     on = perfmodel.step_time(total, HW, "tsp", "overlap", world_size=8)
     off = perfmodel.step_time(total, HW, "tsp", "no_overlap", world_size=8)
     latency = HW.intra_node_latency_us * 1e-6
@@ -51,7 +51,7 @@ def test_layer_extrapolation_matches_a_full_plan():
     full = memory.plan(values, "tsp")
     total = perfmodel.totals_for(counts, config.resolve(values).num_layers)
     assert abs(total["flops"] - full["flops_per_rank"]) <= 1e-9 * full["flops_per_rank"]
-    assert perfmodel.totals_for(counts, 4)["comm"]["tp"] == full["comm"]["tp"]
+    assert perfmodel.totals_for(counts, 4)["comm"]["tsp"] == full["comm"]["tsp"]
 
 
 def test_prediction_has_every_mode_and_a_sweep():
