@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
+import logging
 import os
 import re
 import socket
@@ -174,37 +175,56 @@ def save_iteration(root: str, iteration: int, *args, **kwargs) -> str:
     """:func:`save` into ``ROOT/iter_N``, then point the tracker at it (a save killed halfway
     leaves the tracker at the previous checkpoint)."""
     path = iteration_dir(root, iteration)
-    try:
-        save(path, *args, **kwargs)
-    except CheckpointException as exc:  # raised on every rank, the writers' errors on rank 0's only
-        why = [_os_error(exc)]
-        dist.broadcast_object_list(why, src=0)
-        if why[0] is None:
-            raise
-        why = why[0]
-        found = latest(root)
-        kept = f"the last complete checkpoint is iteration {found[1]}" if found else "no complete checkpoint is there"
-        raise CheckpointError(f"--save {root}: saving iteration {iteration} failed: {why}; {kept}; free space there "
-                              "or --save elsewhere") from exc
+    with _WriterErrors() as logged:
+        try:
+            save(path, *args, **kwargs)
+        except CheckpointException as exc:  # raised on every rank together
+            reasons = [None] * dist.get_world_size()
+            dist.all_gather_object(reasons, _os_error([str(exc), *map(str, exc.failures.values()), *logged.lines]))
+            why = next((r for r in reasons if r), None)
+            if why is None:
+                raise
+            found = latest(root)
+            kept = f"the last complete checkpoint is iteration {found[1]}" if found else \
+                "no complete checkpoint is there"
+            raise CheckpointError(f"--save {root}: saving iteration {iteration} failed: {why}; {kept}; free space "
+                                  "there or --save elsewhere") from exc
     if dist.get_rank() == 0:
         write_tracker(root, iteration)
     dist.barrier()
     return path
 
 
-def _os_error(exc: CheckpointException) -> Optional[str]:
-    """The operating system's refusal (a full disk, a quota, permissions) behind a failed save:
-    an OSError among the ranks' failures (each an (exception, traceback) pair), or the
-    "[Errno N] ..." their messages quote (megatron's writer wraps the OSError of a writer
-    process in a RuntimeError, whose cause does not survive the gather to rank 0)."""
-    for failure in exc.failures.values():
-        error = failure[0] if isinstance(failure, tuple) else failure
-        if isinstance(error, OSError) and error.errno:
-            return f"[Errno {error.errno}] {error.strerror}"
-        quoted = re.search(r"\[Errno \d+\] [^'\"\n]*", str(error))
+def _os_error(texts: List[str]) -> Optional[str]:
+    """The operating system's refusal (a full disk, a quota, permissions) behind a failed save,
+    as the first ``[Errno N] ...`` in ``texts``: the exception, its ranks' failures (rank 0
+    holds them all), what megatron's writer logged on this rank (megatron-core 0.19's
+    exception keeps only the error's type)."""
+    for text in texts:
+        quoted = re.search(r"\[Errno \d+\] [^'\"\n]*", text)
         if quoted:
             return quoted.group(0).strip()
     return None
+
+
+class _WriterErrors(logging.Handler):
+    """The error lines megatron's checkpoint writers log in this process, while in use."""
+
+    LOGGER = "megatron.core.dist_checkpointing"
+
+    def __init__(self):
+        super().__init__(logging.ERROR)
+        self.lines: List[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+    def __enter__(self) -> "_WriterErrors":
+        logging.getLogger(self.LOGGER).addHandler(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        logging.getLogger(self.LOGGER).removeHandler(self)
 
 
 def write_tracker(root: str, iteration: int) -> None:
