@@ -19,7 +19,6 @@ from functools import partial
 from typing import Optional
 
 import torch
-
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
