@@ -378,6 +378,22 @@ def _link_flags(p, required: bool) -> None:
                         "ratio of h100-nvlink, h200-nvlink, mi300x-xgmi or ib-400g on this CPU; the ranks run in a "
                         "private network namespace whose loopback is rate-limited (root or a user namespace)")
     p.add_argument("--nproc", type=POSITIVE_INT, default=2, help="ranks to start without torchrun")
+    p.add_argument("--timeout-s", type=POSITIVE_FLOAT, default=1800.0,
+                   help="deadline of each call to the ranks (a bench block, a calibration)")
+
+
+@contextlib.contextmanager
+def _link_deadline(link, timeout_s: float):
+    """A deadline missed over the rate-limited link names both flags that set it."""
+    from megatron_tsp.run import launch
+
+    try:
+        yield
+    except launch.PoolTimeout as exc:
+        if link is None:
+            raise
+        raise launch.PoolTimeout(f"{exc} (--link {link.rate or 'none'} MB/s per rank: give it more --timeout-s than "
+                                 f"{timeout_s:g}, or --link a higher rate)") from None
 
 
 def _bench_parser(sub, common) -> None:
@@ -394,7 +410,6 @@ def _bench_parser(sub, common) -> None:
     p.add_argument("--steps", type=POSITIVE_INT, default=3, help="timed steps per block")
     p.add_argument("--warmup", type=NON_NEGATIVE_INT, default=1, help="untimed steps per block")
     _link_flags(p, required=False)
-    p.add_argument("--timeout-s", type=POSITIVE_FLOAT, default=1800.0, help="deadline of one block")
     p.add_argument("--out", default="bench/results", help="output folder")
     p.add_argument("--name", default="bench-cpu", help="file stem of the results")
     p.add_argument("--reprice", metavar="RESULT_JSON", help="run nothing: price the measured --link grid of "
@@ -468,17 +483,11 @@ def _cmd_bench(ns: argparse.Namespace) -> int:
         bench.check_setup(config.load_config(path), ns.seq, ns.modes, world)  # before any rank starts
         figures.pyplot("bench")
         preflight.check_writable_dir(ns.out, "--out")
-        try:
-            with launch.job(ns.nproc, timeout_s=ns.timeout_s) as job:
-                result = bench.run(path, ns.seq, ns.modes, ns.repeats, ns.steps, ns.warmup, job.run, job.world_size,
-                                   link, ns.link, os.path.join(CONFIGS, "hardware"))
-                if job.rank != 0:
-                    return 0
-        except launch.PoolTimeout as exc:
-            if link is None:
-                raise
-            raise launch.PoolTimeout(f"{exc} (--link {link.rate or 'none'} MB/s per rank: give a block more "
-                                     f"--timeout-s than {ns.timeout_s:g}, or --link a higher rate)") from None
+        with _link_deadline(link, ns.timeout_s), launch.job(ns.nproc, timeout_s=ns.timeout_s) as job:
+            result = bench.run(path, ns.seq, ns.modes, ns.repeats, ns.steps, ns.warmup, job.run, job.world_size,
+                               link, ns.link, os.path.join(CONFIGS, "hardware"))
+            if job.rank != 0:
+                return 0
     print(bench.table(result))
     print("wrote", ", ".join(bench.write(result, ns.out, ns.name)))
     return 0
@@ -517,7 +526,7 @@ def _cmd_calibrate(ns: argparse.Namespace) -> int:
         values = config.load_config(path)
         bench.check_setup(values, ns.seq, [modes.SUBJECT], ns.nproc)  # a rank's heads and tokens divide evenly
         calibrate.check_memory(values, ns.seq, ns.nproc)
-        with launch.job(ns.nproc) as job:
+        with _link_deadline(link, ns.timeout_s), launch.job(ns.nproc, timeout_s=ns.timeout_s) as job:
             profile = calibrate.profile(values, ns.seq, job.run, link, ns.link, os.path.join(CONFIGS, "hardware"))
     profile["measured"]["setup"] = run_record(config=path, ranks=ns.nproc)
     profile = json.loads(json.dumps(profile, default=str))  # plain types for YAML (versions are str subclasses)
