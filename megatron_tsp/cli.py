@@ -684,6 +684,8 @@ def _with_signals(args) -> int:
     handlers are back afterwards (main also runs inside other programs: the tests)."""
     from megatron_tsp.run import launch
 
+    launch.forget_sigterm()
+    previous_alarm = signal.getsignal(signal.SIGALRM)  # redeliver_dropped_stops' timer takes it
     previous = signal.signal(signal.SIGTERM, launch.remember_sigterm if args.command == "train"
                              else launch.raise_terminated)
     previous_int = signal.getsignal(signal.SIGINT)
@@ -692,17 +694,22 @@ def _with_signals(args) -> int:
     previous_hook, sys.unraisablehook = sys.unraisablehook, launch.redeliver_dropped_stops
     stopped = False
     try:
-        return args.func(args)
+        code = args.func(args)
     except (KeyboardInterrupt, launch.Terminated):
         stopped = True
         raise
     finally:
         sys.unraisablehook = previous_hook
-        if stopped or launch.sigterm_received():
+        dropped = launch.take_dropped_stop()  # dropped in a finalizer, its timer not fired yet
+        signal.signal(signal.SIGALRM, previous_alarm)
+        if stopped or dropped is not None or launch.sigterm_received():
             launch.ignore_stops()
         else:
             signal.signal(signal.SIGTERM, previous)
             signal.signal(signal.SIGINT, previous_int)
+    if dropped is not None:
+        raise dropped
+    return code
 
 
 def _run_command(args) -> int:

@@ -201,7 +201,13 @@ def _collect_then_work(args):
     return 0
 
 
-def test_a_sigterm_raised_inside_a_finalizer_still_stops_the_command():
+def _collect_then_return(args):
+    _SignalledWhileCollected()
+    return 0
+
+
+@pytest.mark.parametrize("work", [_collect_then_work, _collect_then_return], ids=["then-works", "then-returns"])
+def test_a_sigterm_raised_inside_a_finalizer_still_stops_the_command(work):
     """gpu-check ignored SIGTERM (and exited 0 seconds later) when it came while torch ran a
     weakref callback, where Python drops what a signal handler raises."""
     import argparse
@@ -212,7 +218,7 @@ def test_a_sigterm_raised_inside_a_finalizer_still_stops_the_command():
     previous = signal.getsignal(signal.SIGTERM)
     try:
         with pytest.raises(Terminated):
-            cli._with_signals(argparse.Namespace(command="gpu-check", func=_collect_then_work))
+            cli._with_signals(argparse.Namespace(command="gpu-check", func=work))
     finally:
         signal.signal(signal.SIGTERM, previous)
         signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -245,3 +251,46 @@ def test_train_sets_device_connections_per_mode():
     for layout in (dict(tensor_model_parallel_size=2, sequence_parallel=True), dict(context_parallel_size=2),
                    dict(tensor_model_parallel_size=2, sequence_parallel=True, ring_mlp=True)):
         assert rank_environment(config.resolve(dict(tiny, **layout))) == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+
+
+def _noted(args):
+    from megatron_tsp.run import launch
+
+    return launch.sigterm_received()
+
+
+def test_a_command_starts_with_no_sigterm_noted():
+    """The note outlived its command: a later train in the same process stopped at once."""
+    import argparse
+
+    from megatron_tsp import cli
+    from megatron_tsp.run import launch
+
+    launch.remember_sigterm(signal.SIGTERM, None)
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        assert cli._with_signals(argparse.Namespace(command="train", func=_noted)) is None
+    finally:
+        launch.forget_sigterm()
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _exit_reason_without_the_handler():
+    from megatron_tsp.device import CPU
+    from megatron_tsp.run import config, launch
+    from megatron_tsp.run.loop import EarlyExit
+
+    exits = EarlyExit(config.resolve(dict(mock_data=True, vocab_size=256, attention_dropout=0.0,
+                                          exit_duration_in_mins=60)), CPU)
+    launch.remember_sigterm(signal.SIGTERM, None)  # what a pool worker notes whatever the run
+    try:
+        return exits.reason(1)
+    finally:
+        launch.forget_sigterm()
+        exits.close()
+
+
+def test_a_noted_sigterm_stops_only_a_run_with_the_handler(ranks):
+    """--exit-duration-in-mins alone read the worker's note: a SIGTERM stopped the run "with
+    --exit-signal-handler", which was not given (the launcher decides then)."""
+    assert ranks(1, _exit_reason_without_the_handler) == [None]

@@ -56,7 +56,7 @@ from megatron_tsp.core.gemm import gemm, gemm_t
 from megatron_tsp.core.kv import GatherKV, ScatterKVGrads, grad_buffer, send_buffer
 from megatron_tsp.core.parallel_state import resolve_tsp_groups
 from megatron_tsp.core.prefetch import LayerChain
-from megatron_tsp.core.streaming import WeightBroadcast, deliver_grads, linear_pair_shard, unpack
+from megatron_tsp.core.streaming import WeightBroadcast, deliver_grads, linear_pair_shard, run_forward_pre_hooks, unpack
 from megatron_tsp.core.support import check_attention_config
 
 Rope = Optional[Tuple[torch.Tensor, ...]]
@@ -230,7 +230,10 @@ class TSPSelfAttention(SelfAttention):
             kv_heads=self.num_query_groups_per_partition, has_bias=self.linear_qkv.bias is not None,
             overlap=self.overlap_comm, lookahead=self.lookahead,
             chain=self.chain, module=self, softmax_type=self.config.softmax_type)
-        sink = [self.core_attention.softmax_offset] if self.config.softmax_type == "learnable" else []
+        sink = []
+        if self.config.softmax_type == "learnable":  # read, not called: its pre-hooks stand in (streaming.py)
+            run_forward_pre_hooks(self.core_attention)
+            sink = [self.core_attention.softmax_offset]
         output = StreamAttentionHeads.apply(args, hidden_states, *self.shard_tensors(), *self.replicated_parameters(),
                                             *sink)
         return output, self.linear_proj.bias

@@ -5,7 +5,7 @@
 and by ``megatron_tsp.core.comm``, and records per process group, primitive and phase
 (forward/backward/other) the logical bytes this rank sends and receives, with the same
 conventions as :mod:`megatron_tsp.core.comm`. Groups are named after megatron's parallel state
-(``tp`` is the TSP group under TSP), so the same code accounts TSP, TP, TP+SP and TP x CP.
+(under TSP the tensor-parallel group is TSP's, named ``tsp``), so the same code accounts TSP, TP, TP+SP and TP x CP.
 """
 
 from __future__ import annotations

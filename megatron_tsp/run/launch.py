@@ -98,18 +98,41 @@ def redeliver_dropped_stops(unraisable) -> None:
     weakref callback: torch runs many) is dropped there, and the work went on to exit 0. It is
     raised again 10 ms later from a timer's signal, once the finalizer is done (or dropped and
     raised again, until it is not inside one); anything else goes to Python's hook."""
+    global _DROPPED
     error = unraisable.exc_value
     if isinstance(error, (Terminated, KeyboardInterrupt)):
         def again(signum, frame):
+            global _DROPPED
+            _DROPPED = None
             raise error
 
+        _DROPPED = error
         signal.signal(signal.SIGALRM, again)
         signal.setitimer(signal.ITIMER_REAL, 0.01)
         return
     sys.__unraisablehook__(unraisable)
 
 
+_DROPPED: Optional[BaseException] = None  # a stop redeliver_dropped_stops will raise again
+
+
+def take_dropped_stop() -> Optional[BaseException]:
+    """The stop :func:`redeliver_dropped_stops` has not raised yet (its timer cancelled), or None:
+    for a caller that ends before the timer fires."""
+    global _DROPPED
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    dropped, _DROPPED = _DROPPED, None
+    return dropped
+
+
 _SIGTERM_RECEIVED: Optional[str] = None
+
+
+def forget_sigterm() -> None:
+    """A new command of this process starts with no SIGTERM noted (main runs inside other
+    programs: the tests)."""
+    global _SIGTERM_RECEIVED
+    _SIGTERM_RECEIVED = None
 
 
 def remember_sigterm(signum: int, frame: Any) -> None:

@@ -86,7 +86,7 @@ class EarlyExit:
         args = self.args
         if args.exit_signal_handler or args.exit_duration_in_mins:
             minutes = (time.time() - self.started) / 60
-            received = launch.sigterm_received()
+            received = launch.sigterm_received() if args.exit_signal_handler else None
             flags = torch.tensor([received is not None, minutes], dtype=torch.float64, device=self.device.torch)
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
             anywhere, minutes = flags.tolist()

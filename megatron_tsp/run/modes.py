@@ -43,7 +43,8 @@ class Mode:
     runs with unless the user set one (None: CUDA's default, 8). megatron's tensor-parallel
     collectives want 1, so that each is queued ahead of the GEMM it overlaps (megatron warns
     otherwise); TSP's weight and K/V transfers run on their own streams beside the compute
-    stream, which one hardware queue would serialise (scripts/slurm/env.sh gives ROCm 4)."""
+    stream, which one hardware queue would serialise (scripts/slurm/env.sh gives ROCm 4). The
+    ring-MLP modes keep 1: their attention is TP's, whose collectives sit on the data path."""
 
     name: str
     sizes: Callable[[int, int], Dict]
