@@ -44,17 +44,17 @@ def put_checkout_on_path(checkout: str, program: str) -> None:
 def prepare_device():
     """This process's device (:meth:`Device.from_launch`); on the CPU, with the shims that let
     Megatron-LM's training code run there; on every device, megatron-core's distributed
-    optimizer checkpoints fixed for torch's Adam (without TransformerEngine or apex, whose
-    optimizers megatron-core 0.16 assumes). Call after :func:`put_checkout_on_path`."""
+    optimizer checkpoints fixed (:func:`~megatron_tsp.run.compat.fix_optimizer_checkpoints`).
+    Call after :func:`put_checkout_on_path`."""
     from megatron_tsp.device import Device
-    from megatron_tsp.run.compat import enable_torch_adam_checkpoints
+    from megatron_tsp.run.compat import fix_optimizer_checkpoints
 
     device = Device.from_launch()
     if not device.is_gpu:
         from megatron_tsp.run.compat_megatron_lm import enable_megatron_lm_cpu_support
 
         enable_megatron_lm_cpu_support()
-    enable_torch_adam_checkpoints()
+    fix_optimizer_checkpoints()
     return device
 
 

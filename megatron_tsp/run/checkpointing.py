@@ -32,7 +32,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTenso
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_tsp.errors import CheckpointError
-from megatron_tsp.run.compat import enable_torch_adam_checkpoints
+from megatron_tsp.run.compat import fix_optimizer_checkpoints
 from megatron_tsp.run.step import unwrap
 
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
@@ -54,7 +54,6 @@ def _materialize_optimizer_state(optimizer) -> None:
     that has never stepped when it runs on torch's Adam (no TransformerEngine or apex). Give
     it the placeholder state megatron itself creates before loading its fsdp format; the
     load overwrites every value (parameters included)."""
-    enable_torch_adam_checkpoints()
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         if hasattr(opt, "_init_optimizer_states_with_dummy_values") and not opt.optimizer.state:
             opt._init_optimizer_states_with_dummy_values()
@@ -245,6 +244,7 @@ def save(path: str, model: List[torch.nn.Module], optimizer=None,
     os.makedirs(path, exist_ok=True)
     state = _model_state(model)
     if optimizer is not None:
+        fix_optimizer_checkpoints()
         state["optimizer"] = optimizer.sharded_state_dict(state, metadata=OPTIMIZER_METADATA)
     state.update(common or {})
     state["world_size"] = dist.get_world_size()
@@ -279,6 +279,7 @@ def load(path: str, model: List[torch.nn.Module], optimizer=None,
     state = _model_state(model)
     _check_shapes(path, state)
     if optimizer is not None:
+        fix_optimizer_checkpoints()
         _materialize_optimizer_state(optimizer)
         state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True, metadata=OPTIMIZER_METADATA)
     with_rank_state = per_rank and common.get("has_per_rank") and common.get("world_size") == dist.get_world_size()

@@ -265,22 +265,38 @@ TORCH_ADAM_SHIMS: Sequence[Rewrite] = (
             (('s["step"] = step', 's["step"] = step.clone()'),),
             "optimizer/distrib_optimizer.py:820"),
 )
-_TORCH_ADAM_ENABLED = False
+# megatron-core (0.16.1 and 0.19) saves the fully_reshardable optimizer state of the wrong
+# elements when a buffer has more than one bucket (--overlap-grad-reduce with buckets smaller
+# than the model): it gathers each bucket without its end padding, one after the other, but
+# slices the result at the buffer's padded offsets, so every parameter after a padded bucket
+# end is saved with its neighbour's values (its warning that cites "issue #504"). Slice at the
+# offsets the gathered tensor has: the parameter's, less the padding of the buckets before it.
+# Every device; a checkpoint of one bucket is saved as before.
+BUCKET_SHIMS: Sequence[Rewrite] = (
+    Rewrite("megatron.core.optimizer.distrib_optimizer",
+            "DistributedOptimizer.sharded_param_state_fully_reshardable",
+            (("tensors = {}",
+              "tensors = {}; padding = buffer.buckets[_].offset - sum("
+              "(b.numel_unpadded for b in buffer.buckets[:_]))"),
+             ("world_tensors[state_key][param_world_start:param_world_end]",
+              "world_tensors[state_key][param_world_start - padding:param_world_end - padding]")),
+            "optimizer/distrib_optimizer.py:1501 (0.19: 1789)"),
+)
+_CHECKPOINTS_FIXED = False
 
 
-def enable_torch_adam_checkpoints() -> bool:
-    """Fix DistributedOptimizer checkpoint loading on torch's Adam; a no-op (False) when
-    megatron-core uses TransformerEngine's or apex's optimizer. Idempotent."""
-    global _TORCH_ADAM_ENABLED
+def fix_optimizer_checkpoints() -> None:
+    """Fix megatron-core's DistributedOptimizer checkpoints: the state of a buffer of several
+    buckets (:data:`BUCKET_SHIMS`), and loading on torch's Adam (:data:`TORCH_ADAM_SHIMS`;
+    not applied when megatron-core uses TransformerEngine's or apex's optimizer). Idempotent;
+    every device."""
+    global _CHECKPOINTS_FIXED
     from megatron.core.optimizer.distrib_optimizer import HAVE_APEX_OR_TE
 
-    if HAVE_APEX_OR_TE:
-        return False
-    if not _TORCH_ADAM_ENABLED:
-        for shim in TORCH_ADAM_SHIMS:
+    if not _CHECKPOINTS_FIXED:
+        for shim in (*BUCKET_SHIMS, *(() if HAVE_APEX_OR_TE else TORCH_ADAM_SHIMS)):
             shim.apply()
-        _TORCH_ADAM_ENABLED = True
-    return True
+        _CHECKPOINTS_FIXED = True
 
 
 def _cpu_get_rng_state(device=-1, clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
@@ -401,5 +417,5 @@ def cpu_support_enabled() -> bool:
     return _ENABLED
 
 
-__all__: List[str] = ["enable_cpu_support", "cpu_support_enabled", "enable_torch_adam_checkpoints",
-                      "SHIMS", "TORCH_ADAM_SHIMS"]
+__all__: List[str] = ["enable_cpu_support", "cpu_support_enabled", "fix_optimizer_checkpoints",
+                      "SHIMS", "TORCH_ADAM_SHIMS", "BUCKET_SHIMS"]
