@@ -11,6 +11,7 @@ import torch.distributed as dist
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.transformer_config import TransformerConfig
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_tsp.core import zigzag
 
@@ -101,6 +102,18 @@ class SavedBytes:
 
     def __exit__(self, *exc):
         self._ctx.__exit__(*exc)
+
+
+class AtenOps(TorchDispatchMode):
+    """The names of the aten ops run inside the block, in order."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
 
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}

@@ -44,15 +44,17 @@ def test_tsp_trains_like_single_process(ranks, single, model, tsp):
         dict(tsp=4, recompute="selective"),
         dict(tsp=2, recompute="selective:mlp"),  # TSP=2 x DP=2
         dict(tsp=4, recompute="full", block_spec=True, lookahead=3),  # every shard in flight at once
+        dict(tsp=4, recompute="full", model="classic"),  # GELU: the recomputed MLP keeps its activation
     ],
     ids=["dp2", "pp2", "dp2-recompute-overlap", "pp2-recompute", "selective", "selective-mlp",
-         "recompute-lookahead3"],
+         "recompute-lookahead3", "recompute-gelu"],
 )
 def test_tsp_with_dp_pp_and_recompute(ranks, single, single_checkpoint, kwargs):
     if kwargs.pop("load", False):
         kwargs["load"] = single_checkpoint
-    for history in ranks(4, run, "tsp", "modern", steps=STEPS, **kwargs):
-        assert_history_close(history, single["modern"])
+    model = kwargs.pop("model", "modern")
+    for history in ranks(4, run, "tsp", model, steps=STEPS, **kwargs):
+        assert_history_close(history, single[model])
 
 
 @pytest.fixture(scope="module")

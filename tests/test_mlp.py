@@ -10,6 +10,7 @@ import volumes
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from reference import (
+    AtenOps,
     SavedBytes,
     assert_within,
     configs,
@@ -195,3 +196,50 @@ def test_ring_schedule_runs_without_modules(ranks):
     """The schedule takes its group, activation and bias flag as arguments (no module)."""
     for errors in ranks(2, _ring_without_modules, 2):
         assert max(errors) < 1e-5, errors
+
+
+def _kept_activation(tsp_size, dtype):
+    """A GELU MLP with and without selective ``mlp`` recompute: (outputs and gradients
+    bit-equal, GELUs run by backward, bytes saved for backward, which settings keep it)."""
+    init_tsp(tsp_size)
+    group = _group()
+    x_full, dy_full = _inputs(dtype)
+    results, gelus, saved = [], [], []
+    for recompute in (False, True):
+        _, tsp = _build(tsp_size, dtype, swiglu=False, bias=True)
+        if recompute:
+            tsp.config.recompute_granularity, tsp.config.recompute_modules = "selective", ["mlp"]
+        x = _rows(x_full, group, True).clone().requires_grad_()
+        with SavedBytes(tsp.parameters()) as kept:
+            out, _ = tsp(x)
+        with AtenOps() as ops:
+            out.backward(_rows(dy_full, group, True))
+        results.append([out.detach(), x.grad] + [p.grad for p in tsp.shard_tensors()])
+        gelus.append(ops.ops.count("aten.gelu.default"))
+        saved.append(kept.total)
+    same = all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+    keeps = {}
+    for name, changes in (("full uniform", dict(recompute_granularity="full", recompute_method="uniform")),
+                          ("full block", dict(recompute_granularity="full", recompute_method="block")),
+                          ("none", dict(recompute_granularity=None)),
+                          ("swiglu", dict(recompute_granularity="full", recompute_method="uniform",
+                                          gated_linear_unit=True))):
+        _, tsp = _build(tsp_size, dtype, swiglu=False, bias=False)
+        for key, value in changes.items():
+            setattr(tsp.config, key, value)
+        keeps[name] = tsp.activation_grad() is not None
+    return same, gelus, saved, keeps
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_recomputed_gelu_mlp_keeps_its_activation_and_backward_does_not_run_it(ranks, dtype):
+    """Recomputed, the MLP's saved tensors live one layer's backward only, so it keeps GELU's
+    output as megatron's MLP keeps fc2's input: backward runs no GELU (it ran one per shard),
+    and gives the same bits (aten's gelu_backward is GELU's autograd formula)."""
+    tsp_size = 2
+    esize = torch.tensor([], dtype=dtype).element_size()
+    for same, gelus, saved, keeps in ranks(tsp_size, _kept_activation, tsp_size, dtype):
+        assert same
+        assert gelus == [tsp_size, 0]
+        assert saved[1] - saved[0] == SEQ // tsp_size * BATCH * FFN * esize  # a [S/D, b, FFN/D] per shard
+        assert keeps == {"full uniform": True, "full block": False, "none": False, "swiglu": False}

@@ -3,8 +3,8 @@ accumulate in fp32, shards and their gradients, the layer chain's predictions.""
 
 import pytest
 import torch
+from reference import AtenOps
 from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_tsp.core import comm
 from megatron_tsp.core import gemm as gemm_module
@@ -40,16 +40,6 @@ def test_a_transfer_waited_for_twice_is_waited_for_once():
     assert work.waited == 1
 
 
-class _Ops(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-
 def test_gemm_accumulates_in_fp32_and_writes_where_it_is_told():
     a, b, c = torch.randn(5, 7), torch.randn(7, 3), torch.randn(5, 3)
     out = c.clone()
@@ -67,7 +57,7 @@ def test_bf16_gemms_cast_where_this_torch_has_no_fp32_output_kernel():
     a, b = torch.randn(64, 24), torch.randn(24, 16)
     low = a.bfloat16(), b.bfloat16()
     acc = torch.zeros(64, 16)
-    with _Ops() as real:
+    with AtenOps() as real:
         gemm(*low, out=acc, accumulate=True)
     assert ("aten._to_copy.default" in real.ops) == (not takes.mm) and acc.dtype == torch.float32
     torch.testing.assert_close(acc, low[0].float() @ low[1].float())
@@ -77,7 +67,7 @@ def _planned_gemm_ops():
     low = torch.randn(64, 24).bfloat16(), torch.randn(24, 16).bfloat16()
     with FakeTensorMode() as fake:  # the memory planner's tensors: the GPU's GEMMs, no casts
         fa, fb, facc = fake.from_tensor(low[0]), fake.from_tensor(low[1]), fake.from_tensor(torch.zeros(64, 16))
-        with _Ops() as planned:
+        with AtenOps() as planned:
             first = gemm(fa, fb)
             gemm(fa, fb, out=facc, accumulate=True)
     assert first.dtype == torch.float32

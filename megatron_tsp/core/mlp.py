@@ -11,7 +11,11 @@ step t, sent on to p+1 while the next arrives from p-1). Nothing leaves the rank
 no all-reduce, no all-gather. Backward runs the ring again, with a gradient accumulator
 travelling behind each shard to its owner (``streaming.WeightRing``). Saved for backward:
 ``x_p`` and the fc1 output of every shard for this rank's tokens (1/D of what one device
-saves); only the elementwise activation is recomputed.
+saves); only the elementwise activation is recomputed. Where the layer is recomputed anyway
+(full or ``mlp`` recompute), what it saves lives for one layer's backward only: a GELU MLP
+then also keeps the activation, as megatron's MLP keeps fc2's input, and backward takes
+GELU's gradient from its input without running it again (one read and write of
+``[S/D, b, ffn]`` fewer per layer).
 
 Every sum over shards is made inside a GEMM, in fp32 (:mod:`megatron_tsp.core.gemm`): the output
 and the input gradient accumulate over the ring without a rounding, and each shard's weight
@@ -108,12 +112,26 @@ class TSPMLP(MLP):
             x_linear = x_linear.clamp(min=-val, max=val)
         return config.activation_func(x_glu) * (x_linear + config.glu_linear_offset)
 
+    def activation_grad(self) -> Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
+        """``(h, d_a) -> d_h`` without running the activation again, where backward may keep
+        its output: the activation is GELU, whose backward kernel reads its input alone, and
+        this MLP is recomputed (full uniform recompute, or selective with ``mlp``), so what
+        it saves is released with its layer's backward. None elsewhere: a gated activation's
+        gradient needs its parts, recomputed in backward either way, and a layer that is not
+        recomputed would hold one more ``[S/D, b, ffn]`` until its backward."""
+        config = self.config
+        recomputed = ((config.recompute_granularity == "full" and config.recompute_method == "uniform")
+                      or (config.recompute_granularity == "selective" and "mlp" in (config.recompute_modules or ())))
+        if not recomputed or config.gated_linear_unit or self.activation_func is not F.gelu:
+            return None
+        return lambda h, d_a: torch.ops.aten.gelu_backward(d_a, h)
+
     def forward(self, hidden_states: torch.Tensor, per_token_scale=None, **kwargs
                 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         require("--num-experts", per_token_scale is not None, self.tsp_group.size(), "TSPMLP", self.under)
         args = MLPScheduleArgs(self.weight_group, self.activation, self.config.hidden_size,
                                has_bias=self.linear_fc1.bias is not None, overlap=self.overlap_comm,
-                               chain=self.chain, module=self)
+                               chain=self.chain, module=self, activation_grad=self.activation_grad())
         if self.config.sequence_parallel:
             return RotateMLPShards.apply(args, hidden_states, *self.shard_tensors()), self.linear_fc2.bias
         # replicated tokens: this rank's 1/D in, everyone's out (backward: the slice, then the gather)
@@ -127,7 +145,9 @@ class TSPMLP(MLP):
 class MLPScheduleArgs:
     """The arguments of :class:`RotateMLPShards`: the group the shards rotate over, the
     elementwise activation, the output width, whether fc1 has a bias (a shard is then W1, b1,
-    W2), the overlap switch, and the model's layer chain and the module (:mod:`prefetch`)."""
+    W2), the overlap switch, the model's layer chain and the module (:mod:`prefetch`), and
+    the activation's gradient from its input alone where backward keeps its output
+    (:meth:`TSPMLP.activation_grad`)."""
 
     weight_group: dist.ProcessGroup
     activation: Callable[[torch.Tensor], torch.Tensor]
@@ -136,6 +156,7 @@ class MLPScheduleArgs:
     overlap: bool = True
     chain: Optional[LayerChain] = None
     module: object = None
+    activation_grad: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None
 
     def first_transfer(self):
         return self.chain.take(self.module) if self.chain is not None else None
@@ -153,7 +174,8 @@ class RotateMLPShards(torch.autograd.Function):
     computing, else after), compute with shard j = (p - t) mod D, take the next shard. The
     layer after this one gets its first shard posted during the last step
     (:mod:`prefetch`). Saved: x_p and, per shard, this rank's fc1 output ``h_j`` (together 1/D
-    of what one device would save). Backward recomputes only the activation from ``h_j``;
+    of what one device would save), and its activation ``a_j`` with ``activation_grad``.
+    Backward recomputes only the activation from ``h_j``, or nothing with ``a_j``;
     each shard's weight gradients are written into, then added to, the fp32 accumulator that
     travels the ring to their owner (:class:`~megatron_tsp.core.streaming.WeightRing`), and
     the owner adds the sum into megatron's ``main_grad``.
@@ -164,6 +186,7 @@ class RotateMLPShards(torch.autograd.Function):
         d_size = args.weight_group.size()
         y = None
         hidden = [None] * d_size
+        acts = [None] * d_size if args.activation_grad is not None else []
         with comm.InFlight() as inflight:
             ring = WeightRing(own, args.weight_group, inflight, first=args.first_transfer())
             for t in range(d_size):
@@ -177,18 +200,20 @@ class RotateMLPShards(torch.autograd.Function):
                 a = args.activation(h)
                 y = gemm(a.reshape(-1, a.size(-1)), shard[-1].t(), out=y, accumulate=y is not None)
                 hidden[ring.shard_index(t)] = h
+                if acts:
+                    acts[ring.shard_index(t)] = a
                 ring.advance()
         ctx.args = args
         ctx.n_shard = len(own)
-        ctx.save_for_backward(x, *own, *hidden)
+        ctx.save_for_backward(x, *own, *hidden, *acts)
         return y.view(x.shape[:-1] + (args.hidden_size,)).to(x.dtype)
 
     @staticmethod
     def backward(ctx, dy):
         args: MLPScheduleArgs = ctx.args
         x, *rest = ctx.saved_tensors
-        own, hidden = rest[: ctx.n_shard], rest[ctx.n_shard :]
         d_size = args.weight_group.size()
+        own, hidden, acts = rest[: ctx.n_shard], rest[ctx.n_shard : ctx.n_shard + d_size], rest[ctx.n_shard + d_size :]
         dy2d = dy.reshape(-1, dy.size(-1))
         x2d = x.reshape(-1, x.size(-1))
         dx = None
@@ -201,10 +226,15 @@ class RotateMLPShards(torch.autograd.Function):
                     ring.wait_all()
                 elif t == d_size - 1:
                     args.post_next(backward=True)
-                h = hidden[ring.shard_index(t)].detach().requires_grad_()
-                with torch.enable_grad():
-                    a = args.activation(h)
-                (d_h,) = torch.autograd.grad(a, h, (dy2d @ shard[-1]).view_as(a))
+                j = ring.shard_index(t)
+                if acts:
+                    a = acts[j]
+                    d_h = args.activation_grad(hidden[j], (dy2d @ shard[-1]).view_as(a))
+                else:
+                    h = hidden[j].detach().requires_grad_()
+                    with torch.enable_grad():
+                        a = args.activation(h)
+                    (d_h,) = torch.autograd.grad(a, h, (dy2d @ shard[-1]).view_as(a))
                 d_h2d = d_h.reshape(-1, d_h.size(-1))
                 dx = gemm(d_h2d, shard[0], out=dx, accumulate=dx is not None)
                 # the weight gradients last: the accumulator they add into arrives meanwhile
