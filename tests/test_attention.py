@@ -302,13 +302,18 @@ def _kernel_calls(tsp_size):
 
 @pytest.mark.parametrize("tsp_size", [1, 2])
 def test_tsp_backward_runs_no_attention_forward(ranks, tsp_size):
-    # per head group, in the zigzag layout with a top-left kernel (aten's CPU flash): rank p's
-    # chunk 2D-1-p a causal and a full block, chunk p a causal block and, but on rank 0, a full
-    # block before it; at D=1 the sequence is one causal block
+    # per head group, in the zigzag layout with a top-left kernel (aten's CPU flash): forward,
+    # rank p's chunk 2D-1-p a causal and a full block, chunk p a causal block and, but on
+    # rank 0, a full block before it. Backward (zigzag_backward_blocks): chunk 2D-1-p's causal
+    # block, its full blocks before slot D (but on rank D-1) and from slot D+p (on rank 0 one
+    # full block), both chunks' full block over slots D..D+p-1 (but on rank 0), and chunk p's
+    # causal block. At D=1 the sequence is one causal block.
+    d = tsp_size
     for rank, (forward, backward) in enumerate(ranks(tsp_size, _kernel_calls, tsp_size)):
-        blocks = 1 if tsp_size == 1 else tsp_size * (3 + (rank != 0))
-        assert forward == {"forward": blocks, "backward": 0}
-        assert backward == {"forward": 0, "backward": blocks}
+        forward_blocks = 1 if d == 1 else d * (3 + (rank != 0))
+        backward_blocks = 1 if d == 1 else d * (3 if rank == 0 else 4 + (rank + 1 < d))
+        assert forward == {"forward": forward_blocks, "backward": 0}
+        assert backward == {"forward": 0, "backward": backward_blocks}
 
 
 def test_gpu_backend_self_check_accepts_a_right_kernel_and_stops_a_wrong_one(monkeypatch):

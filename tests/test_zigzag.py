@@ -45,3 +45,34 @@ def test_a_batch_is_checked_and_permuted_once_not_per_key_and_rank(monkeypatch):
     assert calls == [(16, 4)]
     for key in zigzag.SEQUENCE_KEYS:
         assert torch.equal(out[key], zigzag.to_zigzag(batch[key], 4, dim=1))
+
+
+def _pairs(blocks):
+    """Every (query row, key row) a list of blocks computes, once per block that computes it."""
+    pairs = []
+    for q0, q1, k0, k1, causal in blocks:
+        pairs += [(i, j) for i in range(q0, q1) for j in range(k0, k1)
+                  if not causal or j - k0 <= i - q0]  # causal blocks are square
+    return pairs
+
+
+@pytest.mark.parametrize("d", [2, 3, 4, 8])
+def test_backward_blocks_compute_the_forwards_pairs_and_write_each_key_once_but_one_chunk(d):
+    """zigzag_backward_blocks regroups the forward's blocks by keys: the same (query, key)
+    pairs, each once; the key rows of every block but the last are disjoint (each dK/dV row
+    written once, not written and added), the last adds onto one chunk; and the blocks that
+    run first finish the key slots 0..D-1 (the other ranks' second chunks), which the last
+    does not touch. The forward's blocks added onto r+1 chunks on rank r."""
+    from megatron_tsp.core.block_attention import zigzag_backward_blocks, zigzag_blocks
+
+    c = 2
+    for r in range(d):
+        blocks, split = zigzag_backward_blocks(d, r, c)
+        pairs = _pairs(blocks)
+        assert len(pairs) == len(set(pairs))
+        assert sorted(pairs) == sorted(_pairs(zigzag_blocks(d, r, c)))
+        keys = [set(range(k0, k1)) for _, _, k0, k1, _ in blocks]
+        first = set().union(*keys[:-1])
+        assert sum(map(len, keys[:-1])) == len(first)
+        assert keys[-1] <= first and len(keys[-1]) == c
+        assert split == len(blocks) - 1 and min(keys[-1]) >= d * c

@@ -50,6 +50,7 @@ from megatron_tsp.core.block_attention import (
     resolve_backend,
     sink_grad,
     validate_backend,
+    zigzag_backward_blocks,
     zigzag_blocks,
 )
 from megatron_tsp.core.gemm import gemm, gemm_t
@@ -223,9 +224,11 @@ class TSPSelfAttention(SelfAttention):
         starts = sorted({b[0] for b in blocks})
         chunks = [(slice(q0, q0 + chunk), [(b[0] - q0, b[1] - q0, *b[2:]) for b in blocks if b[0] == q0])
                   for q0 in starts]
+        backward_blocks = zigzag_backward_blocks(d_size, rank, chunk) if d_size > 1 else (blocks, len(blocks))
         args = AttentionScheduleArgs(
             kv_group=self.tsp_group, weight_group=self.weight_group, split_heads=self.split_heads,
-            rope=self.rope_tables(freqs, hidden_states.dtype), chunks=chunks, softmax_scale=self.softmax_scale,
+            rope=self.rope_tables(freqs, hidden_states.dtype), chunks=chunks, backward_blocks=backward_blocks,
+            softmax_scale=self.softmax_scale,
             backend=backend, width=self.query_projection_size, head_dim=self.hidden_size_per_attention_head,
             kv_heads=self.num_query_groups_per_partition, has_bias=self.linear_qkv.bias is not None,
             overlap=self.overlap_comm, lookahead=self.lookahead,
@@ -246,7 +249,8 @@ class AttentionScheduleArgs:
     v`` for one head group (q/k norms and RoPE: the layer's local stage; K and V written into
     ``local``, the gather's send buffer, when given) and its RoPE tables; this rank's query
     chunks, each its rows and attention blocks (:func:`zigzag_blocks`; the first needs only
-    every rank's first chunk of K/V), scale and kernel; the width of O; whether the QKV
+    every rank's first chunk of K/V), and the backward's blocks over all of them and how many
+    run before the rest (:func:`zigzag_backward_blocks`), scale and kernel; the width of O; whether the QKV
     projection has a bias (a shard is then Wqkv, bqkv, Wproj); the overlap switch and
     lookahead; the model's layer chain and the module (:mod:`prefetch`)."""
 
@@ -255,6 +259,7 @@ class AttentionScheduleArgs:
     split_heads: Callable
     rope: Rope
     chunks: List[Tuple[slice, list]]
+    backward_blocks: Tuple[list, int]
     softmax_scale: float
     backend: str
     width: int  # of O, all heads: a * d (megatron's query_projection_size)
@@ -504,18 +509,18 @@ class HeadGroupGradients:
         dq = torch.empty_like(query)
         scatter = ScatterKVGrads(dkv, args.kv_group, inflight) if spread else dkv
         n = len(args.chunks)
-        # the last chunk first: once its backward has run, every rank's second chunk of dK/dV
-        # is final and travels while the first chunk's backward runs
-        for pos, i in enumerate(reversed(range(n))):
-            rows, blocks = args.chunks[i]
-            lse = self.saved.lses[r * n + i]
-            attend_backward_into(d_out[rows], query[rows], keys, values, out[rows], lse,
-                                 blocks, args.softmax_scale, args.backend, dq[rows], dkv[:, 0], dkv[:, 1],
-                                 zero_untouched=fresh and pos == 0, accumulate=pos > 0)
-            if self.d_sinks is not None:
-                self.d_sinks[r] += sink_grad(*bhsd(d_out[rows], out[rows]), lse, self.saved.sinks[0][r])
-            if spread and pos == 0:
+        lse = torch.cat(self.saved.lses[r * n:(r + 1) * n], dim=-1)
+        blocks, split = args.backward_blocks
+        # once the first blocks have run, every rank's second chunk of dK/dV is final and
+        # travels while the rest run
+        for first, last in ((0, split), (split, len(blocks))):
+            if first < last:
+                attend_backward_into(d_out, query, keys, values, out, lse, blocks, args.softmax_scale, args.backend,
+                                     dq, dkv[:, 0], dkv[:, 1], first, last, zero_untouched=fresh and first == 0)
+            if spread and first == 0:
                 scatter.post_second_halves()
+        if self.d_sinks is not None:
+            self.d_sinks[r] += sink_grad(*bhsd(d_out, out), lse, self.saved.sinks[0][r])
         if spread:
             scatter.post_first_halves()
         return HeadGroupAttentionGrads(r, shard, inputs, dq, scatter, flat)

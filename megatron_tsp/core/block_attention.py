@@ -24,9 +24,10 @@ product written rounded once into ``out``).
 Plain causal attention of a whole sequence is ``chunk_ids = [0]``; a zigzag rank r of D holds
 ``chunk_ids = [r, 2D-1-r]``. The op saves ``(q, k, v, out, lse)``; its backward calls each
 block's kernel backward with the *merged* ``out`` and ``lse`` (then every block's softmax is
-already the global one: ``P_j = exp(S_j - lse)``) and sums dQ over a chunk's blocks and dK, dV
-over blocks in fp32, dK and dV into a buffer the caller may give (TSP's reduce-scatter
-buffer): the forward never runs again. No ``sq x sk`` tensor exists outside a kernel. Under
+already the global one: ``P_j = exp(S_j - lse)``) and sums dQ over the blocks of each query
+row and dK, dV over the blocks of each key row in fp32, dK and dV into a buffer the caller
+may give (TSP's reduce-scatter buffer, with blocks of its own: :func:`zigzag_backward_blocks`,
+in calls that each run some of them): the forward never runs again. No ``sq x sk`` tensor exists outside a kernel. Under
 FakeTensorMode (the memory planner, the fake-CUDA tests) the op runs the same kernel calls
 through their meta functions, so a wrong argument or shape fails there as on a GPU.
 
@@ -109,6 +110,32 @@ def zigzag_blocks(size: int, rank: int, chunk: int, bottom_right: bool = False) 
             out.append((*first, d * c, (d + r) * c, False))
         out.append((*first, (d + r) * c, (d + r + 1) * c, True))
     return out
+
+
+def zigzag_backward_blocks(size: int, rank: int, chunk: int) -> Tuple[List[Block], int]:
+    """The backward's kernel calls of TSP rank ``rank``'s queries (rows ``[0, c)`` chunk r,
+    ``[c, 2c)`` chunk 2D-1-r) against keys in the zigzag layout, and how many run first.
+
+    Forward merges each query chunk's blocks by lse; backward merges nothing (each block's
+    kernel backward takes the merged lse), so it groups the blocks by keys instead. The key
+    chunks both query chunks see (natural 0..r-1, slots D..D+r-1) are one full block of both
+    chunks' queries: the kernel sums their dK/dV, which are then written once instead of
+    written and added again. Every block but the first chunk's causal one (slot D+r) touches
+    key rows no other does: those are copied into the buffer, that one is added. The
+    blocks that run first write every row of slots 0..D-1 (the ranks' second chunks) for
+    good, so those can travel while the last block runs. The same blocks serve kernels
+    whatever their causal alignment (each causal block is square). Per head group: 3 kernel
+    calls on rank 0, 4 on rank D-1, 5 between (the forward's: 3, or 4 off rank 0 with a kernel
+    aligned top-left): fewer bytes at long sequences, up to two more launches at short ones."""
+    d, r, c = size, rank, chunk
+    if r == 0:  # no key chunk is seen by both: chunk 2D-1's full block is one
+        out = [(c, 2 * c, 0, c, True), (c, 2 * c, c, 2 * d * c, False)]
+    else:
+        out = [(c, 2 * c, r * c, (r + 1) * c, True), (0, 2 * c, d * c, (d + r) * c, False),
+               (c, 2 * c, (d + r) * c, 2 * d * c, False)]
+        if r + 1 < d:
+            out.insert(1, (c, 2 * c, (r + 1) * c, d * c, False))
+    return out + [(0, c, (d + r) * c, (d + r + 1) * c, True)], len(out)
 
 
 def visible_pairs_of(blocks_: Sequence[Block]) -> int:
@@ -507,32 +534,50 @@ def _forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks_flat
 
 
 def _backward_into(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                   lse: torch.Tensor, blocks_flat: List[int], scale: float, backend: str, dq: torch.Tensor,
-                   dk: torch.Tensor, dv: torch.Tensor, zero_untouched: bool, accumulate: bool) -> None:
-    """Each block's kernel backward with the merged ``out`` and ``lse``. dq goes into ``dq``
-    (q's dtype; a chunk's blocks summed by one elementwise add: fp32 inside, rounded once).
-    dK, dV go into the caller's fp32 ``dk``, ``dv`` (any strides): copied where a block
-    first touches keys, added where blocks overlap (everywhere with ``accumulate``: the
-    buffers hold other query chunks' gradients already), and with ``zero_untouched`` zero
-    where no block touches them."""
+                   lse: torch.Tensor, blocks_flat: List[int], first: int, last: int, scale: float, backend: str,
+                   dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, zero_untouched: bool) -> None:
+    """The kernel backward of ``blocks[first:last]`` with the merged ``out`` and ``lse``;
+    ``blocks[:first]`` ran into the same buffers in an earlier call (a schedule that sends
+    part of dK/dV while the rest is computed). Each gradient is copied where no block wrote
+    before and added where one did: dq (q's dtype) by query rows, dK and dV (the caller's
+    fp32 buffers, any strides) by key rows. Query rows with two terms in this call are
+    summed by one add, rounded once; with more, in fp32, rounded once. ``zero_untouched``:
+    zero the key rows that no block of the whole list touches."""
     _, kernel = _kernel(backend, q)
-    touched: List[Tuple[int, int]] = []  # key row ranges written so far
-    for (q0, q1), row_blocks in _by_query(_unflat(blocks_flat)).items():
-        acc = None
-        for _, _, k0, k1, causal in row_blocks:
-            g = kernel.backward(dout[:, :, q0:q1], q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1],
-                                out[:, :, q0:q1], lse[:, :, q0:q1].contiguous(), causal, scale)
-            acc = g[0] if acc is None else torch.add(acc, g[0])
-            for a, b, add in _cover(touched, k0, k1):
-                for buf, grad in ((dk, g[1]), (dv, g[2])):
-                    if add or accumulate:
-                        buf[:, :, a:b].add_(grad[:, :, a - k0:b - k0])
-                    else:
-                        buf[:, :, a:b].copy_(grad[:, :, a - k0:b - k0])
-        dq[:, :, q0:q1].copy_(acc)
-    for a, b in _gaps(touched, dk.size(2)) if zero_untouched else ():
+    every = _unflat(blocks_flat)
+    keys_written = [(b[2], b[3]) for b in every[:first]]
+    rows_written = [(b[0], b[1]) for b in every[:first]]
+    dq_parts = []
+    for q0, q1, k0, k1, causal in every[first:last]:
+        g = kernel.backward(dout[:, :, q0:q1], q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1],
+                            out[:, :, q0:q1], lse[:, :, q0:q1].contiguous(), causal, scale)
+        dq_parts.append((q0, q1, g[0]))
+        for a, b, add in _cover(keys_written, k0, k1):
+            for buf, grad in ((dk, g[1]), (dv, g[2])):
+                if add:
+                    buf[:, :, a:b].add_(grad[:, :, a - k0:b - k0])
+                else:
+                    buf[:, :, a:b].copy_(grad[:, :, a - k0:b - k0])
+    cuts = sorted({x for q0, q1, _ in dq_parts for x in (q0, q1)})
+    for a, b in zip(cuts, cuts[1:]):
+        terms = [g[:, :, a - q0:b - q0] for q0, q1, g in dq_parts if q0 <= a and b <= q1]
+        if not terms:
+            continue
+        total = terms[0] if len(terms) == 1 else torch.add(*terms) if len(terms) == 2 else _fp32_sum(terms)
+        if any(ta <= a and b <= tb for ta, tb in rows_written):
+            dq[:, :, a:b].add_(total)
+        else:
+            dq[:, :, a:b].copy_(total)
+    for a, b in _gaps([(b[2], b[3]) for b in every], dk.size(2)) if zero_untouched else ():
         dk[:, :, a:b].zero_()
         dv[:, :, a:b].zero_()
+
+
+def _fp32_sum(terms: List[torch.Tensor]) -> torch.Tensor:
+    total = terms[0].float()
+    for t in terms[1:]:
+        total.add_(t)
+    return total
 
 
 def _cover(touched: List[Tuple[int, int]], k0: int, k1: int) -> List[Tuple[int, int, bool]]:
@@ -581,11 +626,17 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dout, _dlse):
     q, k, v, out, lse = ctx.saved_tensors
+    return (*_whole_backward(dout, q, k, v, out, lse, *ctx.args), None, None, None)
+
+
+def _whole_backward(dout, q, k, v, out, lse, blocks_flat, scale, backend):
+    """dq, dK, dV (the inputs' dtypes) of every block, into fresh buffers."""
     dq = torch.empty_like(q)
     dk = torch.empty_like(k, dtype=torch.float32)
     dv = torch.empty_like(v, dtype=torch.float32)
-    _block_attention_backward(dout, q, k, v, out, lse, *ctx.args, dq, dk, dv, True, False)
-    return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None
+    _block_attention_backward(dout, q, k, v, out, lse, blocks_flat, 0, len(blocks_flat) // 5, scale, backend,
+                              dq, dk, dv, True)
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
 
 
 _block_attention.register_autograd(_backward, setup_context=_setup_context)
@@ -605,10 +656,10 @@ for _op in (torch.ops.megatron_tsp.block_attention, torch.ops.megatron_tsp.block
 
 
 @register_flop_formula(torch.ops.megatron_tsp.block_attention_backward)
-def _flops_backward(dout_shape, q_shape, k_shape, v_shape, out_shape_, lse_shape, blocks_flat, *args,
+def _flops_backward(dout_shape, q_shape, k_shape, v_shape, out_shape_, lse_shape, blocks_flat, first, last, *args,
                     out_shape=None, **kwargs) -> int:
     # a flash backward recomputes QK^T and computes dV, dP, dQ, dK: 5 GEMMs to forward's 2
-    return _flops_of(q_shape, blocks_flat) * 5 // 2
+    return _flops_of(q_shape, blocks_flat[5 * first:5 * last]) * 5 // 2
 
 
 def bhsd(*tensors):
@@ -649,11 +700,8 @@ class _SinkAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, sink = ctx.saved_tensors
-        dq = torch.empty_like(q)
-        dk = torch.empty_like(k, dtype=torch.float32)
-        dv = torch.empty_like(v, dtype=torch.float32)
-        _block_attention_backward(dout, q, k, v, out, lse, *ctx.args, dq, dk, dv, True, False)
-        return dq, dk.to(k.dtype), dv.to(v.dtype), sink_grad(dout, out, lse, sink).to(sink.dtype), None, None, None
+        return (*_whole_backward(dout, q, k, v, out, lse, *ctx.args), sink_grad(dout, out, lse, sink).to(sink.dtype),
+                None, None, None)
 
 
 def block_attention(query, keys, values, chunk_ids: Sequence[int], scale: float, backend: str,
@@ -683,16 +731,18 @@ def attend_into(query, keys, values, blocks_: Sequence[Block], scale: float, bac
 
 
 def attend_backward_into(d_out, query, keys, values, out, lse, blocks_: Sequence[Block], scale: float,
-                         backend: str, d_query, d_keys, d_values, zero_untouched: bool = True,
-                         accumulate: bool = False) -> None:
+                         backend: str, d_query, d_keys, d_values, first: int = 0, last: Optional[int] = None,
+                         zero_untouched: bool = True) -> None:
     """From the saved forward (each block's kernel backward with the merged lse; no attention
-    forward): dq into ``d_query`` ``[sq, b, hq, d]`` (the query's dtype), dK and dV into the
+    forward), for ``blocks_[first:last]``, after ``blocks_[:first]`` ran into the same
+    buffers: dq into ``d_query`` ``[sq, b, hq, d]`` (the query's dtype), dK and dV into the
     caller's fp32 ``d_keys``, ``d_values`` ``[sk, b, hk, d]`` (views of the reduce-scatter
-    buffer). ``accumulate``: add to what other query chunks wrote there; ``zero_untouched``:
-    zero the key rows no block touches (False: they are zero already, or another call
-    writes them)."""
-    if zero_untouched and accumulate:
-        raise ValueError("attend_backward_into: zero_untouched would erase what accumulate adds to")
+    buffer), each copied where no block wrote before and added where one did.
+    ``zero_untouched``: zero the key rows no block of ``blocks_`` touches (False: they are
+    zero already)."""
+    last = len(blocks_) if last is None else last
+    if not 0 <= first < last <= len(blocks_):
+        raise ValueError(f"attend_backward_into: blocks [{first}:{last}] of {len(blocks_)}")
     do, q, k, v, o, dq, dk, dv = bhsd(d_out, query, keys, values, out, d_query, d_keys, d_values)
-    _block_attention_backward(do, q, k, v, o, lse, _flat(blocks_), float(scale), backend, dq, dk, dv,
-                              zero_untouched, accumulate)
+    _block_attention_backward(do, q, k, v, o, lse, _flat(blocks_), first, last, float(scale), backend, dq, dk, dv,
+                              zero_untouched)
