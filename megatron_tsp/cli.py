@@ -262,7 +262,7 @@ def _memory_parser(sub, common) -> None:
     p.add_argument("--largest", type=NON_NEGATIVE_INT, default=0, metavar="N",
                    help="list the N largest storages alive at each mode's peak (what sets it)")
     p.add_argument("--bytes-by-op", action="store_true",
-                   help="memory-bound bytes one layer adds, op by op, on the slowest rank (plans 1 and 2 layers)")
+                   help="memory-bound bytes one layer adds, op by op, on the slowest rank (plans 2 and 3 layers)")
     _fused_norm_flag(p)
     _config_flags(p, ["num_layers", "seq_length", "max_position_embeddings", "micro_batch_size",
                       "recompute_granularity"])
@@ -298,7 +298,7 @@ def _predict_parser(sub, common) -> None:
     p = sub.add_parser(
         "predict", parents=[common], help="step time and tokens/s from counted FLOPs and bytes on a hardware profile",
         description="Counts FLOPs and collective bytes of the real model with the memory planner "
-                    "(1 and 2 layers, extrapolated) and times them on a hardware profile.")
+                    "(2 and 3 layers, extrapolated) and times them on a hardware profile.")
     _cluster_flags(p, modes="tsp,tp,tp-sp,tp-sp-ring,tp-cp")
     p.add_argument("--sweep", type=_int_list, default=None,
                    help="comma-separated sequence lengths for the TSP / TP+SP crossover")

@@ -51,10 +51,16 @@ def test_the_fastest_fitting_choice_is_marked():
     assert [c for c, r in tight["choices"].items() if r["fits"]] == ["full"] and tight["best"] == "full"
 
 
-def test_peak_memory_extrapolates_exactly_in_the_layer_count():
+@pytest.mark.parametrize("config,mode", [(None, "tsp"), ("7b/128k-tsp8.yaml", "tp-sp-ring")],
+                         ids=["tiny-tsp", "7b-128k-ring-full-recompute"])
+def test_peak_memory_extrapolates_exactly_in_the_layer_count(config, mode):
+    """The 7B's ring MLP at 128K with full recompute keeps GELU's output for its layer's
+    backward; a one-layer plan's peak falls elsewhere, and a line through 1 and 2 layers put
+    4 layers 0.11 GiB high (32 layers 1.7 GiB): memory.PLANNED_LAYERS."""
     from megatron_tsp.measure import memory
+    from megatron_tsp.run import config as cfg
 
-    values = dict(TINY, num_layers=4)
-    planned = memory.plan(dict(values), "tsp")["peak_gib"]
-    counts = perfmodel.layer_counts(values, "tsp")
+    values = dict(TINY if config is None else cfg.load_config(os.path.join(ROOT, "configs", config)), num_layers=4)
+    planned = memory.plan(dict(values), mode)["peak_gib"]
+    counts = perfmodel.layer_counts(values, mode)
     assert perfmodel.totals_for(counts, 4)["peak_gib"] == pytest.approx(planned, rel=1e-9)

@@ -249,10 +249,10 @@ class AttentionScheduleArgs:
     v`` for one head group (q/k norms and RoPE: the layer's local stage; K and V written into
     ``local``, the gather's send buffer, when given) and its RoPE tables; this rank's query
     chunks, each its rows and attention blocks (:func:`zigzag_blocks`; the first needs only
-    every rank's first chunk of K/V), and the backward's blocks over all of them and how many
-    run before the rest (:func:`zigzag_backward_blocks`), scale and kernel; the width of O; whether the QKV
-    projection has a bias (a shard is then Wqkv, bqkv, Wproj); the overlap switch and
-    lookahead; the model's layer chain and the module (:mod:`prefetch`)."""
+    every rank's first chunk of K/V), and the backward's blocks over all of them and how
+    many run before the rest (:func:`zigzag_backward_blocks`); scale and kernel; the width of
+    O; whether the QKV projection has a bias (a shard is then Wqkv, bqkv, Wproj); the overlap
+    switch and lookahead; the model's layer chain and the module (:mod:`prefetch`)."""
 
     kv_group: dist.ProcessGroup
     weight_group: dist.ProcessGroup

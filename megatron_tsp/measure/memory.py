@@ -300,14 +300,21 @@ def _step(args, mode: Mode, tracker, attention_backend, device: Device, fake: bo
     return static, flops, records
 
 
+# The two consecutive layer counts a model is planned at to extrapolate it linearly in its
+# layers. Not 1: a one-layer model's peak can fall at another point of the step than a
+# deeper one's, and a line through 1 and 2 layers then has the wrong slope (the 7B's ring
+# MLP at 128K with full recompute: +1.7 GiB at 32 layers).
+PLANNED_LAYERS = (2, 3)
+
+
 def first_and_last_rank_plans(values: Dict, mode: str, world_size: Optional[int] = None, cp: int = DEFAULT_CP,
                               fused_norm: bool = True) -> Dict[int, Tuple[Dict, Dict]]:
-    """``{rank: (plan at 1 layer, plan at 2 layers)}`` with a GPU's kernels, for the first and
-    the last rank of a model-parallel group: TSP's ranks do different attention work around
-    the same FLOPs (blocks, merges, key rows no block touches), and these two bound it."""
+    """``{rank: (plan, plan)}`` at :data:`PLANNED_LAYERS` with a GPU's kernels, for the first
+    and the last rank of a model-parallel group: TSP's ranks do different attention work
+    around the same FLOPs (blocks, merges, key rows no block touches), and these two bound it."""
     last = ParallelSizes.of(get_mode(mode).values(values, cp)).within_a_stage - 1
     return {rank: tuple(plan(dict(copy.deepcopy(values), num_layers=n), mode, world_size, cp,
-                             attention_backend="gpu", fused_norm=fused_norm, rank=rank) for n in (1, 2))
+                             attention_backend="gpu", fused_norm=fused_norm, rank=rank) for n in PLANNED_LAYERS)
             for rank in sorted({0, last})}
 
 
@@ -318,7 +325,7 @@ def slowest_rank(plans: Dict[int, Tuple[Dict, Dict]]) -> int:
 
 def bytes_by_op_per_layer(values: Dict, mode: str, world_size: Optional[int] = None, cp: int = DEFAULT_CP,
                           fused_norm: bool = True) -> Dict:
-    """Memory-bound bytes one layer adds to a step, op by op (the 2-layer minus the 1-layer
+    """Memory-bound bytes one layer adds to a step, op by op (the 3-layer minus the 2-layer
     plan) on the slowest rank: ``{"rank", "total_gb", "by_op_gb"}``, largest first."""
     plans = first_and_last_rank_plans(values, mode, world_size, cp, fused_norm)
     rank = slowest_rank(plans)
@@ -330,7 +337,7 @@ def bytes_by_op_per_layer(values: Dict, mode: str, world_size: Optional[int] = N
 
 def bytes_by_op_table(result: Dict, rows: int = 20) -> str:
     modes = [m for m in result["modes"] if "bytes_by_op" in result["modes"][m]]
-    lines = ["Memory-bound bytes per layer, by op (GB; 2-layer minus 1-layer plan, slowest rank):", ""]
+    lines = ["Memory-bound bytes per layer, by op (GB; 3-layer minus 2-layer plan, slowest rank):", ""]
     for mode in modes:
         r = result["modes"][mode]["bytes_by_op"]
         lines.append(f"{mode} (rank {r['rank']}): {r['total_gb']:.2f} GB per layer")

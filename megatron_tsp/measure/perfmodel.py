@@ -2,8 +2,9 @@
 
 Counts come from the memory planner's fake step of the real model (``memory.plan``): FLOPs
 (attention separately) and the bytes and calls of every collective per process group and
-phase. To sweep sequence lengths cheaply the model is planned at 1 and 2 layers and
-extrapolated linearly in the layer count (exact: layers are identical).
+phase. To sweep sequence lengths cheaply the model is planned at 2 and 3 layers and
+extrapolated linearly in the layer count (exact: layers are identical;
+``memory.PLANNED_LAYERS`` says why not 1).
 
 Time of one micro-batch step on one rank:
 
@@ -151,8 +152,9 @@ _COUNTS: Dict[str, Dict] = {}  # layer_counts of this process, by their argument
 def layer_counts(values: Dict, mode: str, world_size: Optional[int] = None, cp: int = DEFAULT_CP,
                  fused_norm: bool = True) -> Dict:
     """FLOPs, comm counts and peak memory of one micro-batch step of rank 0:
-    ``{"base": ..., "per_layer": ...}`` (the peak is linear in the layer count too: every
-    layer keeps the same activations, and the peak falls at the same point of the step).
+    ``{"base": ..., "per_layer": ...}`` (the peak is linear in the layer count too, from two
+    layers on: every layer keeps the same activations, and the peak falls at the same point
+    of the step).
     Planned once per process for the same arguments: the hardware does not enter them, so
     a planner that tries several GPUs, or sequence lengths again, reuses them."""
     key = json.dumps([values, mode, world_size, cp, fused_norm], sort_keys=True, default=str)
@@ -164,15 +166,15 @@ def layer_counts(values: Dict, mode: str, world_size: Optional[int] = None, cp: 
 def _layer_counts(values: Dict, mode: str, world_size: Optional[int], cp: int, fused_norm: bool) -> Dict:
     """Counts of the slowest rank; its peak is the larger of the first and the last rank's."""
     plans = memory.first_and_last_rank_plans(values, mode, world_size, cp, fused_norm)
-    one, two = ({"flops": p["flops_per_rank"], "attention_flops": p["attention_flops_per_rank"],
-                 "memory_bytes": p["memory_bytes_per_rank"], "by_phase": p["by_phase"], "comm": p["comm"],
-                 "parallel": p["parallel"]} for p in plans[memory.slowest_rank(plans)])
-    for n, counts in enumerate((one, two)):
+    fewer, more = ({"flops": p["flops_per_rank"], "attention_flops": p["attention_flops_per_rank"],
+                    "memory_bytes": p["memory_bytes_per_rank"], "by_phase": p["by_phase"], "comm": p["comm"],
+                    "parallel": p["parallel"]} for p in plans[memory.slowest_rank(plans)])
+    for n, counts in enumerate((fewer, more)):
         counts["peak_gib"] = max(p[n]["peak_gib"] for p in plans.values())
     keys = ("flops", "attention_flops", "memory_bytes", "by_phase", "comm", "peak_gib")
-    per_layer = _sub({k: two[k] for k in keys}, {k: one[k] for k in keys})
-    base = _sub({k: one[k] for k in keys}, per_layer)
-    return {"base": base, "per_layer": per_layer, "parallel": one["parallel"]}
+    per_layer = _sub({k: more[k] for k in keys}, {k: fewer[k] for k in keys})  # consecutive layer counts
+    base = _sub({k: fewer[k] for k in keys}, per_layer, memory.PLANNED_LAYERS[0])
+    return {"base": base, "per_layer": per_layer, "parallel": fewer["parallel"]}
 
 
 def totals_for(counts: Dict, layers: int) -> Dict:
@@ -279,7 +281,7 @@ def crossover(sweep: Dict, mode: str, scenario: str) -> Optional[int]:
 def evaluate(values: Dict, mode: str, hw: Hardware, world: int, cp: int, brief: bool = False,
              fused_norm: bool = True) -> Dict:
     """Per scenario, step time and cluster tokens/s of ``mode`` on ``world`` GPUs, and rank 0's
-    peak memory (``peak_gib``), from one planning at 1 and 2 layers."""
+    peak memory (``peak_gib``), from one planning at 2 and 3 layers."""
     args = get_mode(mode).args(values, cp)
     counts = layer_counts(values, mode, world, cp, fused_norm)
     total = totals_for(counts, args.num_layers)
