@@ -433,3 +433,31 @@ def test_flash_attn_backend_with_the_packages_signatures(flash_attn_on_cpu, dtyp
         test_block_attention_matches_softmax_attention("flash_attn", dtype, chunk_ids)
     assert kernels.blocks([1, 2], 4, kernels.bottom_right("flash_attn", torch.device("cpu"), dtype)) == \
         [(0, 4, 0, 8, True), (4, 8, 0, 12, True)]
+
+
+def test_backward_in_calls_writes_what_one_call_writes():
+    """attend_backward_into over blocks[first:last] after blocks[:first] (TSP's backward posts
+    part of dK/dV between two calls): dq, dK, dV as one call over every block writes them,
+    also where a later block's query rows only partly overlap an earlier one's (a copy there
+    erased the earlier call's dq), and as the forward's own blocks give them."""
+    from megatron_tsp.core.block_attention import attend_backward_into, attend_into
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v, d_out = (torch.randn(8, 1, 2, 4, generator=g) for _ in range(4))
+    forward_blocks = [(0, 4, 4, 8, False), (4, 8, 0, 4, False), (4, 8, 4, 8, False)]
+    out = torch.empty_like(q)
+    lse = attend_into(q, k, v, forward_blocks, 0.5, "math", out)
+
+    def grads(blocks, calls):
+        dq, dk, dv = torch.empty_like(q), torch.empty(8, 1, 2, 4), torch.empty(8, 1, 2, 4)
+        for first, last in calls:
+            attend_backward_into(d_out, q, k, v, out, lse, blocks, 0.5, "math", dq, dk, dv, first, last,
+                                 zero_untouched=first == 0)
+        return dq, dk, dv
+
+    by_keys = [(4, 8, 0, 4, False), (0, 8, 4, 8, False)]  # the second's rows 4..8 were written by the first
+    whole = grads(by_keys, [(0, 2)])
+    for got, want in zip(grads(by_keys, [(0, 1), (1, 2)]), whole, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    for got, want in zip(grads(forward_blocks, [(0, 3)]), whole, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

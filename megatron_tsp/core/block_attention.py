@@ -558,7 +558,9 @@ def _backward_into(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
                     buf[:, :, a:b].add_(grad[:, :, a - k0:b - k0])
                 else:
                     buf[:, :, a:b].copy_(grad[:, :, a - k0:b - k0])
-    cuts = sorted({x for q0, q1, _ in dq_parts for x in (q0, q1)})
+    lo, hi = min(q0 for q0, _, _ in dq_parts), max(q1 for _, q1, _ in dq_parts)
+    cuts = sorted({lo, hi, *(x for q0, q1, _ in dq_parts for x in (q0, q1)),
+                   *(x for a, b in rows_written for x in (a, b) if lo < x < hi)})
     for a, b in zip(cuts, cuts[1:]):
         terms = [g[:, :, a - q0:b - q0] for q0, q1, g in dq_parts if q0 <= a and b <= q1]
         if not terms:

@@ -116,7 +116,8 @@ class TSPMLP(MLP):
         """``(h, d_a) -> d_h`` without running the activation again, where backward may keep
         its output: the activation is GELU, whose backward kernel reads its input alone, and
         this MLP is recomputed (full uniform recompute, or selective with ``mlp``), so what
-        it saves is released with its layer's backward. None elsewhere: a gated activation's
+        it saves is released with the backward of its recompute chunk (``recompute_num_layers``
+        layers). None elsewhere: a gated activation's
         gradient needs its parts, recomputed in backward either way, and a layer that is not
         recomputed would hold one more ``[S/D, b, ffn]`` until its backward."""
         config = self.config

@@ -329,8 +329,8 @@ def bytes_by_op_per_layer(values: Dict, mode: str, world_size: Optional[int] = N
     plan) on the slowest rank: ``{"rank", "total_gb", "by_op_gb"}``, largest first."""
     plans = first_and_last_rank_plans(values, mode, world_size, cp, fused_norm)
     rank = slowest_rank(plans)
-    one, two = (p["memory_bytes_by_op"] for p in plans[rank])
-    diff = {op: two.get(op, 0) - one.get(op, 0) for op in set(one) | set(two)}
+    fewer, more = (p["memory_bytes_by_op"] for p in plans[rank])
+    diff = {op: more.get(op, 0) - fewer.get(op, 0) for op in set(fewer) | set(more)}
     by_op = {op: b / 1e9 for op, b in sorted(diff.items(), key=lambda kv: -kv[1]) if abs(b) >= 1e6}
     return {"rank": rank, "total_gb": sum(diff.values()) / 1e9, "by_op_gb": by_op}
 

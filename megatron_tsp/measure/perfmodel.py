@@ -151,10 +151,10 @@ _COUNTS: Dict[str, Dict] = {}  # layer_counts of this process, by their argument
 
 def layer_counts(values: Dict, mode: str, world_size: Optional[int] = None, cp: int = DEFAULT_CP,
                  fused_norm: bool = True) -> Dict:
-    """FLOPs, comm counts and peak memory of one micro-batch step of rank 0:
-    ``{"base": ..., "per_layer": ...}`` (the peak is linear in the layer count too, from two
-    layers on: every layer keeps the same activations, and the peak falls at the same point
-    of the step).
+    """FLOPs, comm counts and peak memory of one micro-batch step, of the slowest rank (the
+    peak: the larger of the first and the last rank's): ``{"base": ..., "per_layer": ...}``
+    (the peak is linear in the layer count too, from two layers on: every layer keeps the
+    same activations, and the peak falls at the same point of the step).
     Planned once per process for the same arguments: the hardware does not enter them, so
     a planner that tries several GPUs, or sequence lengths again, reuses them."""
     key = json.dumps([values, mode, world_size, cp, fused_norm], sort_keys=True, default=str)

@@ -280,7 +280,7 @@ BUCKET_SHIMS: Sequence[Rewrite] = (
               "(b.numel_unpadded for b in buffer.buckets[:_]))"),
              ("world_tensors[state_key][param_world_start:param_world_end]",
               "world_tensors[state_key][param_world_start - padding:param_world_end - padding]")),
-            "optimizer/distrib_optimizer.py:1501 (0.19: 1789)"),
+            "optimizer/distrib_optimizer.py:1501 (0.19: 1790)"),
 )
 _CHECKPOINTS_FIXED = False
 
