@@ -51,16 +51,24 @@ def test_the_fastest_fitting_choice_is_marked():
     assert [c for c, r in tight["choices"].items() if r["fits"]] == ["full"] and tight["best"] == "full"
 
 
-@pytest.mark.parametrize("config,mode", [(None, "tsp"), ("7b/128k-tsp8.yaml", "tp-sp-ring")],
-                         ids=["tiny-tsp", "7b-128k-ring-full-recompute"])
-def test_peak_memory_extrapolates_exactly_in_the_layer_count(config, mode):
+@pytest.mark.parametrize("config,mode,recompute,layers", [
+    (None, "tsp", {}, 4),
+    ("7b/128k-tsp8.yaml", "tp-sp-ring", {}, 4),
+    (None, "tsp", dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2), 8),
+    (None, "tsp", dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=3), 6),
+], ids=["tiny-tsp", "7b-128k-ring-full-recompute", "uniform-2", "block-3"])
+def test_peak_memory_and_flops_extrapolate_exactly_in_the_layer_count(config, mode, recompute, layers):
     """The 7B's ring MLP at 128K with full recompute keeps GELU's output for its layer's
     backward; a one-layer plan's peak falls elsewhere, and a line through 1 and 2 layers put
-    4 layers 0.11 GiB high (32 layers 1.7 GiB): memory.PLANNED_LAYERS."""
+    4 layers 0.11 GiB high (32 layers 1.7 GiB). Uniform recompute of 2 layers could not be
+    planned at 3 (IndexError in megatron), and block recompute of the first 3 counted every
+    layer as recomputed: memory.planned_layers."""
     from megatron_tsp.measure import memory
     from megatron_tsp.run import config as cfg
 
-    values = dict(TINY if config is None else cfg.load_config(os.path.join(ROOT, "configs", config)), num_layers=4)
-    planned = memory.plan(dict(values), mode)["peak_gib"]
-    counts = perfmodel.layer_counts(values, mode)
-    assert perfmodel.totals_for(counts, 4)["peak_gib"] == pytest.approx(planned, rel=1e-9)
+    base = TINY if config is None else cfg.load_config(os.path.join(ROOT, "configs", config))
+    values = dict(base, num_layers=layers, **recompute)
+    planned = memory.plan(dict(values), mode)
+    total = perfmodel.totals_for(perfmodel.layer_counts(values, mode), layers)
+    assert total["peak_gib"] == pytest.approx(planned["peak_gib"], rel=1e-9)
+    assert total["flops"] == pytest.approx(planned["flops_per_rank"], rel=1e-9)

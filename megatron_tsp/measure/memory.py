@@ -300,21 +300,32 @@ def _step(args, mode: Mode, tracker, attention_backend, device: Device, fake: bo
     return static, flops, records
 
 
-# The two consecutive layer counts a model is planned at to extrapolate it linearly in its
-# layers. Not 1: a one-layer model's peak can fall at another point of the step than a
-# deeper one's, and a line through 1 and 2 layers then has the wrong slope (the 7B's ring
-# MLP at 128K with full recompute: +1.7 GiB at 32 layers).
-PLANNED_LAYERS = (2, 3)
+def planned_layers(values: Dict) -> Tuple[int, int]:
+    """The two layer counts a model is planned at to extrapolate it linearly in its layers:
+    two and three recompute units (full uniform recompute of k layers: 2k and 3k), or, with
+    full block recompute of its first k layers, k+1 and k+2 (from there on every layer
+    added is one that is not recomputed). Not 1: a one-layer model's peak can fall at
+    another point of the step than a deeper one's, and a line through 1 and 2 layers then
+    has the wrong slope (the 7B's ring MLP at 128K with full recompute: +1.7 GiB at 32
+    layers)."""
+    k = values.get("recompute_num_layers") or 1
+    if values.get("recompute_granularity") == "full":
+        if values.get("recompute_method") == "block" and k < values.get("num_layers", k + 1):
+            return max(2, k + 1), max(2, k + 1) + 1
+        if values.get("recompute_method") == "uniform":
+            return 2 * k, 3 * k
+    return 2, 3
 
 
 def first_and_last_rank_plans(values: Dict, mode: str, world_size: Optional[int] = None, cp: int = DEFAULT_CP,
                               fused_norm: bool = True) -> Dict[int, Tuple[Dict, Dict]]:
-    """``{rank: (plan, plan)}`` at :data:`PLANNED_LAYERS` with a GPU's kernels, for the first
+    """``{rank: (plan, plan)}`` at :func:`planned_layers` with a GPU's kernels, for the first
     and the last rank of a model-parallel group: TSP's ranks do different attention work
     around the same FLOPs (blocks, merges, key rows no block touches), and these two bound it."""
     last = ParallelSizes.of(get_mode(mode).values(values, cp)).within_a_stage - 1
     return {rank: tuple(plan(dict(copy.deepcopy(values), num_layers=n), mode, world_size, cp,
-                             attention_backend="gpu", fused_norm=fused_norm, rank=rank) for n in PLANNED_LAYERS)
+                             attention_backend="gpu", fused_norm=fused_norm, rank=rank)
+                        for n in planned_layers(values))
             for rank in sorted({0, last})}
 
 
@@ -325,12 +336,14 @@ def slowest_rank(plans: Dict[int, Tuple[Dict, Dict]]) -> int:
 
 def bytes_by_op_per_layer(values: Dict, mode: str, world_size: Optional[int] = None, cp: int = DEFAULT_CP,
                           fused_norm: bool = True) -> Dict:
-    """Memory-bound bytes one layer adds to a step, op by op (the 3-layer minus the 2-layer
-    plan) on the slowest rank: ``{"rank", "total_gb", "by_op_gb"}``, largest first."""
+    """Memory-bound bytes one layer adds to a step, op by op (the difference of the
+    :func:`planned_layers` plans, per layer) on the slowest rank: ``{"rank", "total_gb",
+    "by_op_gb"}``, largest first."""
     plans = first_and_last_rank_plans(values, mode, world_size, cp, fused_norm)
     rank = slowest_rank(plans)
     fewer, more = (p["memory_bytes_by_op"] for p in plans[rank])
-    diff = {op: more.get(op, 0) - fewer.get(op, 0) for op in set(fewer) | set(more)}
+    low, high = planned_layers(values)
+    diff = {op: (more.get(op, 0) - fewer.get(op, 0)) / (high - low) for op in set(fewer) | set(more)}
     by_op = {op: b / 1e9 for op, b in sorted(diff.items(), key=lambda kv: -kv[1]) if abs(b) >= 1e6}
     return {"rank": rank, "total_gb": sum(diff.values()) / 1e9, "by_op_gb": by_op}
 

@@ -4,7 +4,7 @@ Counts come from the memory planner's fake step of the real model (``memory.plan
 (attention separately) and the bytes and calls of every collective per process group and
 phase. To sweep sequence lengths cheaply the model is planned at 2 and 3 layers and
 extrapolated linearly in the layer count (exact: layers are identical;
-``memory.PLANNED_LAYERS`` says why not 1).
+``memory.planned_layers`` says which, and why not 1).
 
 Time of one micro-batch step on one rank:
 
@@ -172,8 +172,9 @@ def _layer_counts(values: Dict, mode: str, world_size: Optional[int], cp: int, f
     for n, counts in enumerate((fewer, more)):
         counts["peak_gib"] = max(p[n]["peak_gib"] for p in plans.values())
     keys = ("flops", "attention_flops", "memory_bytes", "by_phase", "comm", "peak_gib")
-    per_layer = _sub({k: more[k] for k in keys}, {k: fewer[k] for k in keys})  # consecutive layer counts
-    base = _sub({k: fewer[k] for k in keys}, per_layer, memory.PLANNED_LAYERS[0])
+    low, high = memory.planned_layers(values)
+    per_layer = _sub({}, _sub({k: more[k] for k in keys}, {k: fewer[k] for k in keys}), -1 / (high - low))
+    base = _sub({k: fewer[k] for k in keys}, per_layer, low)
     return {"base": base, "per_layer": per_layer, "parallel": fewer["parallel"]}
 
 
