@@ -15,8 +15,12 @@ Two kinds of shim:
 
 Only a process whose device is the CPU enables them (``build.initialize`` and the worker
 pool, from the :class:`~megatron_tsp.device.Device` chosen at launch): a process that runs
-on a GPU never does, and runs megatron-core unchanged. On the CPU every shim only changes
-*where* a tensor lives or *which* generator a state belongs to, never a value.
+on a GPU never does. On the CPU every shim only changes *where* a tensor lives or *which*
+generator a state belongs to, never a value.
+
+Apart from those, :func:`fix_optimizer_checkpoints` corrects two faults of megatron-core's
+distributed optimizer checkpoints on every device (:data:`BUCKET_SHIMS`,
+:data:`TORCH_ADAM_SHIMS`): checkpointing applies it before it saves or loads optimizer state.
 """
 
 from __future__ import annotations
