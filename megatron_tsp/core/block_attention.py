@@ -27,9 +27,10 @@ block's kernel backward with the *merged* ``out`` and ``lse`` (then every block'
 already the global one: ``P_j = exp(S_j - lse)``) and sums dQ over the blocks of each query
 row and dK, dV over the blocks of each key row in fp32, dK and dV into a buffer the caller
 may give (TSP's reduce-scatter buffer, with blocks of its own: :func:`zigzag_backward_blocks`,
-in calls that each run some of them): the forward never runs again. No ``sq x sk`` tensor exists outside a kernel. Under
-FakeTensorMode (the memory planner, the fake-CUDA tests) the op runs the same kernel calls
-through their meta functions, so a wrong argument or shape fails there as on a GPU.
+in calls that each run some of them): the forward never runs again. No ``sq x sk`` tensor
+exists outside a kernel. Under FakeTensorMode (the memory planner, the fake-CUDA tests) the
+op runs the same kernel calls through their meta functions, so a wrong argument or shape
+fails there as on a GPU.
 
 Backends (:data:`BACKENDS`), all ``[b, h, s, d]`` in, ``(out, lse [b, h, sq] fp32)`` out,
 with grouped-query K/V (fewer k/v heads):
