@@ -43,14 +43,15 @@ def _submodules(qk_norm, norm=WrappedTorchNorm):
 
 
 def _build(tsp_size, dtype, groups, qkv_bias, proj_bias, qk_norm, overlap=True, kv_channels=None,
-           softmax_type="vanilla"):
+           softmax_type="vanilla", window_size=None):
     """(stock reference at world 1, TSP module, solo groups), same seed and dtype. In bf16
     the TSP module runs the math backend of the attention op, whose rounding is that of the
     stock module's unfused attention: what is tested here is the TSP schedule; the flash
     kernel's own bf16 rounding is tested against float64 with the op."""
     ref_cfg, tsp_cfg = configs(tsp_size, dtype, hidden_size=HIDDEN, num_attention_heads=HEADS,
                                num_query_groups=groups, add_bias_linear=proj_bias, add_qkv_bias=qkv_bias,
-                               qk_layernorm=qk_norm, kv_channels=kv_channels, softmax_type=softmax_type)
+                               qk_layernorm=qk_norm, kv_channels=kv_channels, softmax_type=softmax_type,
+                               window_size=window_size)
     solo = solo_pg_collection()
     torch.manual_seed(0)
     ref = SelfAttention(ref_cfg, _submodules(qk_norm), layer_number=1,
@@ -89,14 +90,15 @@ def _run_tsp(tsp, x_full, dy_full, rope):
     return out, bias, x
 
 
-def _one_case(tsp_size, dtype, groups, rope, qkv_bias, proj_bias, qk_norm, kv_channels=None, softmax_type="vanilla"):
+def _one_case(tsp_size, dtype, groups, rope, qkv_bias, proj_bias, qk_norm, kv_channels=None, softmax_type="vanilla",
+              window_size=None, seq=SEQ):
     group = megatron_tsp.get_tsp_group()
     ref, tsp, solo = _build(tsp_size, dtype, groups, qkv_bias, proj_bias, qk_norm, kv_channels=kv_channels,
-                            softmax_type=softmax_type)
+                            softmax_type=softmax_type, window_size=window_size)
     g = torch.Generator().manual_seed(1)
-    x_full = torch.randn(SEQ, BATCH, HIDDEN, generator=g).to(dtype)
-    dy_full = torch.randn(SEQ, BATCH, HIDDEN, generator=g).to(dtype)
-    table = rotary_table(ref.config, SEQ, solo.cp) if rope else None
+    x_full = torch.randn(seq, BATCH, HIDDEN, generator=g).to(dtype)
+    dy_full = torch.randn(seq, BATCH, HIDDEN, generator=g).to(dtype)
+    table = rotary_table(ref.config, seq, solo.cp) if rope else None
 
     x_ref = x_full.clone().requires_grad_()
     out_ref, bias_ref = ref(x_ref, None, rotary_pos_emb=table)
@@ -134,7 +136,13 @@ CASES = [
       dict(groups=4, rope=True, qkv_bias=False, proj_bias=True, qk_norm=False, kv_channels=12),  # a*d != h
       # megatron's softmax types (gpt-oss's attention sinks): a sink logit per head, learnable or 0
       dict(groups=4, rope=True, qkv_bias=False, proj_bias=False, qk_norm=False, softmax_type="learnable"),
-      dict(groups=8, rope=False, qkv_bias=True, proj_bias=True, qk_norm=False, softmax_type="off-by-one")]
+      dict(groups=8, rope=False, qkv_bias=True, proj_bias=True, qk_norm=False, softmax_type="off-by-one"),
+      # megatron's sliding window (W, 0) against its explicit mask, at 48 tokens (chunks of 12 at D=2, 6 at D=4):
+      # a window inside a chunk, one that reaches three chunks back, and one with sinks
+      dict(groups=4, rope=True, qkv_bias=False, proj_bias=False, qk_norm=False, window_size=(5, 0), seq=48),
+      dict(groups=8, rope=True, qkv_bias=True, proj_bias=False, qk_norm=False, window_size=(13, 0), seq=48),
+      dict(groups=4, rope=True, qkv_bias=False, proj_bias=False, qk_norm=False, window_size=(20, 0), seq=48,
+           softmax_type="learnable")]
 
 
 def _all_cases(tsp_size, dtype):
@@ -237,24 +245,36 @@ def _softmax_attention(q, k, v, scale, visible):
 @pytest.mark.parametrize("backend", ["cpu", "math"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("chunk_ids", [[0], [0, 3], [1, 2], [2, 5]], ids=str)
-def test_block_attention_matches_softmax_attention(backend, dtype, chunk_ids):
-    """Query chunks at their global chunk index against all keys: forward and gradients."""
+def test_block_attention_matches_softmax_attention(backend, dtype, chunk_ids, window=-1, chunk=4):
+    """Query chunks at their global chunk index against all keys (``window`` >= 0: the
+    ``window`` keys before each query and itself): forward and gradients."""
     from megatron_tsp.core.block_attention import block_attention
 
-    chunk, seq = 4, 4 * (max(chunk_ids) + 1)
+    seq = chunk * (max(chunk_ids) + 1)
     g = torch.Generator().manual_seed(0)
     k = torch.randn(seq, 2, 2, 8, generator=g).to(dtype).requires_grad_()
     v = torch.randn(seq, 2, 2, 8, generator=g).to(dtype).requires_grad_()
     rows = torch.cat([torch.arange(c * chunk, (c + 1) * chunk) for c in chunk_ids])
     q = torch.randn(len(rows), 2, 4, 8, generator=g).to(dtype).requires_grad_()
     dout = torch.randn(len(rows), 2, 4, 8, generator=g).to(dtype)
-    visible = rows.unsqueeze(1) >= torch.arange(seq).unsqueeze(0)
+    behind = rows.unsqueeze(1) - torch.arange(seq).unsqueeze(0)
+    visible = (behind >= 0) & ((behind <= window) if window >= 0 else True)
     ref = _softmax_attention(q, k, v, 0.3, visible)
     ref_grads = torch.autograd.grad(ref, (q, k, v), dout.double())
-    out = block_attention(q, k, v, chunk_ids, 0.3, backend)
+    out = block_attention(q, k, v, chunk_ids, 0.3, backend, window=window)
     grads = torch.autograd.grad(out, (q, k, v), dout)
     errors = {name: rel_err(a, b) for name, a, b in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref, *ref_grads))}
     assert_within([[(chunk_ids, errors)]], dtype)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "math"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("chunk_ids", [[0], [1, 2], [0, 3]], ids=str)
+@pytest.mark.parametrize("window", [1, 3, 8, 13])  # 0: dq and dK are 0, no relative error
+def test_block_attention_with_a_window_matches_the_masked_softmax(backend, dtype, chunk_ids, window):
+    """megatron's window_size (w, 0): windows inside a chunk of 8, one that reaches one and
+    two chunks back; pieces of the chunk (a mask per block) on these kernels."""
+    test_block_attention_matches_softmax_attention(backend, dtype, chunk_ids, window, chunk=8)
 
 
 class KernelCalls:
@@ -321,8 +341,8 @@ def test_gpu_backend_self_check_accepts_a_right_kernel_and_stops_a_wrong_one(mon
 
     class Transposed(kernels._CPU):  # a convention mistake: keys read as values
         @staticmethod
-        def forward(q, k, v, causal, scale):
-            return kernels._CPU.forward(q, v, k, causal, scale)
+        def forward(q, k, v, causal, scale, left=-1):
+            return kernels._CPU.forward(q, v, k, causal, scale, left)
 
     class Unknown(kernels._Math):  # a bottom-right kernel whose alignment is not declared
         bottom_right = None
@@ -350,10 +370,10 @@ def test_a_kernel_that_refuses_non_square_causal_blocks_gets_square_ones(monkeyp
         bottom_right = None
 
         @staticmethod
-        def backward(dout, q, k, v, out, lse, causal, scale):
+        def backward(dout, q, k, v, out, lse, causal, scale, left=-1):
             if causal and q.size(2) != k.size(2):
                 raise RuntimeError("For backwards kernel seqlen_q must equal seqlen_k for causal kernels")
-            return kernels._Math.backward(dout, q, k, v, out, lse, causal, scale)
+            return kernels._Math.backward(dout, q, k, v, out, lse, causal, scale, left)
 
     monkeypatch.setattr(kernels, "_CHECKED", {})
     monkeypatch.setitem(kernels._KERNELS, "flash", AOTriton)
@@ -431,6 +451,8 @@ def test_flash_attn_backend_with_the_packages_signatures(flash_attn_on_cpu, dtyp
     assert "softcap" not in str(inspect.signature(_flash_attn_forward))  # the trap
     for chunk_ids in ([0], [1, 2], [2, 5]):
         test_block_attention_matches_softmax_attention("flash_attn", dtype, chunk_ids)
+    for window in (3, 13):  # the package's own window_size, on whole chunks
+        test_block_attention_matches_softmax_attention("flash_attn", dtype, [1, 2], window, chunk=8)
     assert kernels.blocks([1, 2], 4, kernels.bottom_right("flash_attn", torch.device("cpu"), dtype)) == \
         [(0, 4, 0, 8, True), (4, 8, 0, 12, True)]
 

@@ -9,7 +9,7 @@ from megatron_tsp.run import config
 # a value each value or size rule refuses at --tsp-size 4 (features are refused by their flag alone)
 BAD = {"--tensor-model-parallel-size": "2", "--context-parallel-size": "2", "--attention-dropout": "0.1",
        "--num-attention-heads": "6", "--num-query-groups": "6", "--ffn-hidden-size": "6", "--seq-length": "12",
-       "--hybrid-layer-pattern": "M*-"}
+       "--hybrid-layer-pattern": "M*-", "--window-size": "64,8"}
 ARGV_RULES = [r for r in RULES if r.flag != "--sequence-parallel"]  # translate_argv adds that flag itself
 
 
@@ -70,7 +70,7 @@ def test_every_config_field_tsp_does_not_implement_is_refused_away_from_its_defa
 
     fields = _default_only_fields()
     names = {f.name for f in fields}
-    assert {"window_attn_skip_freq", "no_rope_freq", "qk_l2_norm"} <= names
+    assert {"no_rope_freq", "qk_l2_norm"} <= names
     base = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True,
                              tensor_model_parallel_size=2, sequence_parallel=True, params_dtype=torch.float32,
                              attention_dropout=0.0)

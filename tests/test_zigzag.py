@@ -48,11 +48,12 @@ def test_a_batch_is_checked_and_permuted_once_not_per_key_and_rank(monkeypatch):
 
 
 def _pairs(blocks):
-    """Every (query row, key row) a list of blocks computes, once per block that computes it."""
+    """Every (query row, key row) a list of blocks computes, once per block that computes it
+    (causal blocks are square, and so are a window's: ``left`` bounds i - j)."""
     pairs = []
-    for q0, q1, k0, k1, causal in blocks:
+    for q0, q1, k0, k1, causal, *left in blocks:
         pairs += [(i, j) for i in range(q0, q1) for j in range(k0, k1)
-                  if not causal or j - k0 <= i - q0]  # causal blocks are square
+                  if (not causal or j - k0 <= i - q0) and (not left or (i - q0) - (j - k0) <= left[0])]
     return pairs
 
 
@@ -76,3 +77,41 @@ def test_backward_blocks_compute_the_forwards_pairs_and_write_each_key_once_but_
         assert sum(map(len, keys[:-1])) == len(first)
         assert keys[-1] <= first and len(keys[-1]) == c
         assert split == len(blocks) - 1 and min(keys[-1]) >= d * c
+
+
+@pytest.mark.parametrize("backend", ["flash", "math"])  # a window's pieces: whole chunks, or cut for masks
+@pytest.mark.parametrize("d", [2, 3, 4])
+def test_window_blocks_compute_each_pair_in_the_window_once(d, backend):
+    """A sliding window of w keys: every TSP rank's blocks compute the (query, key) pairs with
+    i - w <= j <= i once each, and no other; no block has a row without a key (its lse would
+    be -inf); none spans the key slots' halves, and the backward runs first every block on
+    slots 0..D-1, which then travel. The FLOP count sees exactly the window's pairs; the
+    global-order blocks of the baselines likewise."""
+    from megatron_tsp.core.block_attention import blocks, visible_pairs_of, zigzag_window_blocks
+
+    c = 4
+    natural = [2 * d - 1 - q for q in range(d)] + list(range(d))  # the natural chunk in each key slot
+    for w in (0, 1, 2, 3, 5, 7, 9, 4 * d * c):
+        expected_total = 0
+        for r in range(d):
+            forward, (backward, split) = zigzag_window_blocks(d, r, c, w, backend)
+            position = {row: ch * c + row % c for row, ch in zip(range(2 * c), (r,) * c + (2 * d - 1 - r,) * c)}
+            pairs = [(position[i], natural[j // c] * c + j % c) for i, j in _pairs(forward)]
+            assert len(pairs) == len(set(pairs))
+            queries = sorted(position.values())
+            assert set(pairs) == {(i, j) for i in queries for j in range(max(0, i - w), i + 1)}
+            assert visible_pairs_of(forward) == len(pairs)
+            expected_total += len(pairs)
+            for b in forward:
+                assert {i for i, _ in _pairs([b])} == set(range(b[0], b[1])), b
+                assert b[3] <= d * c or b[2] >= d * c, b
+            assert sorted(backward) == sorted(forward)
+            assert all(b[2] < d * c for b in backward[:split]) and all(b[2] >= d * c for b in backward[split:])
+        seq = 2 * d * c
+        assert expected_total == sum(min(i, w) + 1 for i in range(seq))
+        for chunk_ids, chunk in (([0], seq), ([1, 2], seq // 4)):
+            global_blocks = blocks(chunk_ids, chunk, window=w, backend=backend)
+            rows = [g * chunk + a for g in chunk_ids for a in range(chunk)]
+            pairs = [(rows[i], j) for i, j in _pairs(global_blocks)]
+            assert len(pairs) == len(set(pairs))
+            assert set(pairs) == {(i, j) for i in rows for j in range(max(0, i - w), i + 1)}

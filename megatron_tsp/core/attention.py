@@ -50,9 +50,12 @@ from megatron_tsp.core.block_attention import (
     resolve_backend,
     sink_grad,
     validate_backend,
+    window_of,
     zigzag_backward_blocks,
     zigzag_blocks,
+    zigzag_window_blocks,
 )
+from megatron_tsp.core.block_attention import blocks as global_blocks
 from megatron_tsp.core.gemm import gemm, gemm_t
 from megatron_tsp.core.kv import GatherKV, ScatterKVGrads, grad_buffer, send_buffer
 from megatron_tsp.core.parallel_state import resolve_tsp_groups
@@ -113,6 +116,7 @@ class TSPSelfAttention(SelfAttention):
         self.lookahead = lookahead
         self.attention_backend = validate_backend(attention_backend)
         self.softmax_scale = config.softmax_scale or 1.0 / math.sqrt(self.hidden_size_per_attention_head)
+        self.window = window_of(layer_number, config)  # keys before a query it sees; -1: all
         self.zigzag_indices = zigzag_indices if zigzag_indices is not None else zigzag.IndexCache()
         self.chain = chain if chain is not None else LayerChain()
         self.chain.register(self)
@@ -217,14 +221,19 @@ class TSPSelfAttention(SelfAttention):
             freqs = rotary_pos_emb[indices.local_positions]
         chunk = hidden_states.size(0) // 2 if d_size > 1 else hidden_states.size(0)
         backend = resolve_backend(self.attention_backend, hidden_states.device, hidden_states.dtype,
-                                  planned=is_fake(hidden_states), keys=seq_len)
+                                  planned=is_fake(hidden_states), keys=seq_len, windowed=self.window >= 0)
         aligned = bottom_right(backend, hidden_states.device, hidden_states.dtype, planned=is_fake(hidden_states))
-        blocks = zigzag_blocks(d_size, rank, chunk, aligned) if d_size > 1 else \
-            [(0, chunk, 0, chunk, True)]
-        starts = sorted({b[0] for b in blocks})
-        chunks = [(slice(q0, q0 + chunk), [(b[0] - q0, b[1] - q0, *b[2:]) for b in blocks if b[0] == q0])
+        if d_size == 1:
+            blocks = global_blocks([0], chunk, aligned, self.window, backend)
+            backward_blocks = (blocks, len(blocks))
+        elif self.window >= 0:
+            blocks, backward_blocks = zigzag_window_blocks(d_size, rank, chunk, self.window, backend)
+        else:
+            blocks = zigzag_blocks(d_size, rank, chunk, aligned)
+            backward_blocks = zigzag_backward_blocks(d_size, rank, chunk)
+        starts = sorted({b[0] // chunk * chunk for b in blocks})  # a query chunk's blocks may cut it in pieces
+        chunks = [(slice(q0, q0 + chunk), [(b[0] - q0, b[1] - q0, *b[2:]) for b in blocks if q0 <= b[0] < q0 + chunk])
                   for q0 in starts]
-        backward_blocks = zigzag_backward_blocks(d_size, rank, chunk) if d_size > 1 else (blocks, len(blocks))
         args = AttentionScheduleArgs(
             kv_group=self.tsp_group, weight_group=self.weight_group, split_heads=self.split_heads,
             rope=self.rope_tables(freqs, hidden_states.dtype), chunks=chunks, backward_blocks=backward_blocks,

@@ -29,14 +29,15 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_tsp.core import zigzag
-from megatron_tsp.core.block_attention import block_attention, validate_backend
+from megatron_tsp.core.block_attention import block_attention, validate_backend, window_of
 from megatron_tsp.core.kv import AllGatherKV
 from megatron_tsp.core.spec import norm_spec, with_ring_mlp
 
 
 class FlashDotProductAttention(MegatronModule):
     """Causal core attention for stock megatron attention, by the op TSP uses
-    (:func:`megatron_tsp.core.block_attention.block_attention`).
+    (:func:`megatron_tsp.core.block_attention.block_attention`), with megatron's sliding
+    window (``window_size``, ``window_attn_skip_freq``) where the layer has one.
 
     Takes ``[sq, b, heads, d]`` query/key/value as ``DotProductAttention`` does and returns
     ``[sq, b, heads * d]``. Under context parallelism the local sequence is this CP rank's
@@ -55,6 +56,13 @@ class FlashDotProductAttention(MegatronModule):
         if dropout > 0:
             raise ValueError("FlashDotProductAttention does not support attention dropout; set --attention-dropout 0")
         from megatron.core import parallel_state
+
+        from megatron_tsp.core.support import causal_window
+
+        if not causal_window(config.window_size):
+            raise ValueError(f"FlashDotProductAttention: window_size must be W,0 with W >= 0, a causal sliding window "
+                             f"(got {config.window_size})")
+        self.window = window_of(layer_number, config)  # keys before a query it sees; -1: all
 
         self.cp_group = getattr(pg_collection, "cp", None) or parallel_state.get_context_parallel_group()
         self.tp_group = getattr(pg_collection, "tp", None) or parallel_state.get_tensor_model_parallel_group()
@@ -85,7 +93,8 @@ class FlashDotProductAttention(MegatronModule):
             indices = self.zigzag.get(key.size(0) * size, size, rank, key.device)
             key, value = AllGatherKV.apply(key, value, self.cp_group, indices)
             chunk_ids = zigzag.rank_chunks(size, rank)
-        out = block_attention(query, key, value, chunk_ids, self.softmax_scale, self.backend, self.softmax_offset)
+        out = block_attention(query, key, value, chunk_ids, self.softmax_scale, self.backend, self.softmax_offset,
+                              self.window)
         return out.reshape(out.size(0), out.size(1), -1)
 
 

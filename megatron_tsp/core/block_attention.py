@@ -49,13 +49,19 @@ for fp32, ``cpu`` on the CPU: decided by the device, dtype and sequence length; 
 is what ``auto`` picks on a GPU, on the memory planner's fake tensors wherever they live. The
 first use of a GPU backend on a device and dtype checks it (:func:`check_backend`) in the
 real layout against ``math``, and learns whether its causal mask is aligned bottom-right.
+
+Sliding windows (megatron's ``window_size = (w, 0)``) are blocks too (:func:`window_blocks`):
+key pieces out of a query piece's reach are never called, and a piece the window's edge
+crosses is a square block with a band of diagonals, which ``flash`` and ``flash_attn`` take
+as their own ``window_size`` and ``cpu`` and ``math`` as a mask of the block (``cudnn`` and
+``efficient`` have none: ``auto`` picks ``flash``).
 """
 
 from __future__ import annotations
 
 import inspect
 from functools import lru_cache
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -65,8 +71,13 @@ from torch.utils.flop_counter import register_flop_formula
 BACKENDS = ("auto", "gpu", "flash", "cudnn", "efficient", "flash_attn", "cpu", "math")
 GPU_BACKENDS = ("flash", "cudnn", "efficient", "flash_attn")
 HALF_ONLY = ("flash", "cudnn", "flash_attn")
+WINDOW_NATIVE = ("flash", "flash_attn")  # take a sliding window themselves; cpu and math: a mask per block
+NO_WINDOW = ("cudnn", "efficient")
 
-Block = Tuple[int, int, int, int, bool]  # query rows [q0, q1), key rows [k0, k1), causal
+# query rows [q0, q1), key rows [k0, k1), causal; a sliding window's blocks (:func:`window_blocks`)
+# are square and carry a sixth entry, ``left`` >= 0: row i of the block sees key j only if
+# i - j <= left (with causal, also j <= i): a band of the diagonals
+Block = Tuple[int, ...]
 
 # ``auto`` on an NVIDIA GPU in fp16/bf16: cuDNN's attention from this many keys, flash below. On
 # one H200 with torch 2.11 (bench/results/gpu-check-H200-run1.md: one TSP head group, fwd+bwd)
@@ -76,11 +87,18 @@ Block = Tuple[int, int, int, int, bool]  # query rows [q0, q1), key rows [k0, k1
 AUTO_CUDNN_FROM_KEYS = 16384
 
 
-def blocks(chunk_ids: Sequence[int], chunk: int, bottom_right: bool = False) -> List[Block]:
+def blocks(chunk_ids: Sequence[int], chunk: int, bottom_right: bool = False, window: int = -1,
+           backend: str = "math") -> List[Block]:
     """The kernel calls of query chunks against keys in *global order* (chunk i of the
     queries is global chunk ``chunk_ids[i]``): one causal call on the whole key prefix per
     chunk when the kernel aligns its causal mask bottom-right, else a full block (keys
-    before the chunk) and a square causal block."""
+    before the chunk) and a square causal block; with a sliding ``window`` (>= 0), the
+    window's blocks (:func:`window_blocks`, pieces as ``backend`` wants them)."""
+    if window >= 0:
+        piece = window_piece(chunk, window, backend)
+        per = chunk // piece
+        queries = [(i * chunk + j * piece, g * per + j) for i, g in enumerate(chunk_ids) for j in range(per)]
+        return window_blocks(queries, piece, lambda h: h * piece, window)
     out = []
     for i, g in enumerate(chunk_ids):
         rows = (i * chunk, (i + 1) * chunk)
@@ -139,22 +157,111 @@ def zigzag_backward_blocks(size: int, rank: int, chunk: int) -> Tuple[List[Block
     return out + [(0, c, (d + r) * c, (d + r + 1) * c, True)], len(out)
 
 
+def window_of(layer_number: int, config) -> int:
+    """The causal sliding window of megatron's layer ``layer_number`` (1-based, global):
+    ``config.window_size[0]``, the keys before a query that it sees, where megatron-core makes
+    the layer a window layer (``window_attn_skip_freq``: every N-th layer, or a list, is
+    global); -1 where it sees every earlier key."""
+    from megatron.core.transformer.utils import is_layer_window_attention
+
+    window = getattr(config, "window_size", None)
+    if not window or window[0] < 0 or not is_layer_window_attention(window, config.window_attn_skip_freq,
+                                                                       layer_number):
+        return -1
+    return int(window[0])
+
+
+def window_piece(chunk: int, window: int, backend: str) -> int:
+    """The query rows of a window's blocks (:func:`window_blocks`): the whole chunk where the
+    kernel takes the window itself (fewest calls), else (the kernel is handed a mask of the
+    block) the smallest divisor of the chunk longer than the window."""
+    if backend in WINDOW_NATIVE:
+        return chunk
+    return next(p for p in range(min(window + 1, chunk), chunk + 1) if chunk % p == 0)
+
+
+def window_blocks(queries: Sequence[Tuple[int, int]], piece: int, key_row: Callable[[int], int], window: int,
+                  cuts: Sequence[int] = ()) -> List[Block]:
+    """The kernel calls of causal attention with a sliding window of ``window`` keys before
+    each query (megatron's ``window_size = (window, 0)``: query i sees keys i-window..i).
+    ``queries``: (first row, global piece index g) of query pieces of ``piece`` rows; the keys
+    of global piece h sit at rows ``key_row(h)`` ... ``+ piece``. Per query piece, the key
+    pieces it reaches, nearest first: its own (causal, with ``left`` where the window ends
+    inside it), then earlier ones whose pairs satisfy ``key - query >= t``, ``t = (g-h)·piece -
+    window``: all of them (a full block), a band (``left = -t``; rows with no key and keys with
+    no row cut off, so that the block stays square and no row is empty), or none (skipped,
+    with every earlier piece). Adjacent full blocks of the same rows merge, unless the key row
+    between them is in ``cuts``."""
+    out: List[Block] = []
+    for row, g in queries:
+        full: List[Block] = []
+        for h in range(g, -1, -1):
+            k0 = key_row(h)
+            if h == g:
+                out.append((row, row + piece, k0, k0 + piece, True) + ((window,) if window < piece - 1 else ()))
+                continue
+            t = (g - h) * piece - window
+            if t > piece - 1:
+                break
+            if t <= 1 - piece:
+                full.append((row, row + piece, k0, k0 + piece, False))
+            elif t > 0:
+                out.append((row, row + piece - t, k0 + t, k0 + piece, False, 0))
+            else:
+                out.append((row, row + piece, k0, k0 + piece, False, -t))
+        for b in sorted(full, key=lambda b: b[2]):
+            last = out[-1] if out else None
+            if last and len(last) == 5 and not last[4] and last[:2] == b[:2] and last[3] == b[2] and b[2] not in cuts:
+                out[-1] = (*b[:2], last[2], b[3], False)
+            else:
+                out.append(b)
+    return out
+
+
+def zigzag_window_blocks(size: int, rank: int, chunk: int, window: int,
+                         backend: str) -> Tuple[List[Block], Tuple[List[Block], int]]:
+    """:func:`zigzag_blocks` and :func:`zigzag_backward_blocks` of a layer with a sliding
+    ``window``: the window's blocks (:func:`window_blocks`) of the rank's two query chunks
+    against the zigzag layout, none spanning the slots' halves; the backward runs first
+    those on slots 0..D-1 (only chunk 2D-1-r reaches them), which then travel."""
+    d, c = size, chunk
+    piece = window_piece(c, window, backend)
+    per = c // piece
+
+    def key_row(h: int) -> int:
+        natural = h // per
+        slot = d + natural if natural < d else 2 * d - 1 - natural
+        return slot * c + (h % per) * piece
+
+    queries = [(i * c + j * piece, g * per + j) for i, g in enumerate((rank, 2 * d - 1 - rank)) for j in range(per)]
+    forward = window_blocks(queries, piece, key_row, window, cuts=(d * c,))
+    early = [b for b in forward if b[2] < d * c]
+    return forward, (early + [b for b in forward if b[2] >= d * c], len(early))
+
+
+def _pairs(n: int, m: int, causal: bool, left: int) -> int:
+    if left < 0 or left >= n - 1:
+        return n * m - (n * (n - 1) // 2 if causal else 0)
+    if causal:  # square: row i sees min(i, left) + 1 keys
+        return left * (left + 1) // 2 + (n - left) * (left + 1)
+    return n * m - (n - 1 - left) * (n - left) // 2  # square: row i sees n - max(0, i - left)
+
+
 def visible_pairs_of(blocks_: Sequence[Block]) -> int:
     """(query, key) pairs the blocks compute: a full block all of its rows x keys, a causal
-    one (aligned bottom-right) a row i of n sees all but the last n-1-i keys."""
-    total = 0
-    for q0, q1, k0, k1, causal in blocks_:
-        n, m = q1 - q0, k1 - k0
-        total += n * m - (n * (n - 1) // 2 if causal else 0)
-    return total
+    one (aligned bottom-right) a row i of n sees all but the last n-1-i keys, a window's
+    band (``left``) what :func:`window_blocks` says."""
+    return sum(_pairs(b[1] - b[0], b[3] - b[2], b[4], b[5] if len(b) > 5 else -1) for b in blocks_)
 
 
 def _flat(blocks_: Sequence[Block]) -> List[int]:
-    return [int(x) for b in blocks_ for x in b]
+    return [int(x) for b in blocks_ for x in (*b[:5], b[5] if len(b) > 5 else -1)]
 
 
 def _unflat(flat: Sequence[int]) -> List[Block]:
-    return [(flat[i], flat[i + 1], flat[i + 2], flat[i + 3], bool(flat[i + 4])) for i in range(0, len(flat), 5)]
+    return [(flat[i], flat[i + 1], flat[i + 2], flat[i + 3], bool(flat[i + 4])) + ((flat[i + 5],) if flat[i + 5] >= 0
+                                                                                  else ())
+            for i in range(0, len(flat), 6)]
 
 
 # ---- backends: one block, [b, h, s, d] in, (out, lse [b, h, sq] fp32) out ---------------------
@@ -171,30 +278,44 @@ def _bshd(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(1, 2).contiguous().transpose(1, 2)
 
 
+def _hidden(sq: int, sk: int, causal: bool, left: int, device) -> Optional[torch.Tensor]:
+    """The (query, key) pairs a block hides, ``[sq, sk]`` bool (causal aligned bottom-right;
+    a window's blocks are square); None when it hides none."""
+    ones = torch.ones(sq, sk, dtype=torch.bool, device=device)
+    hidden = ones.triu(sk - sq + 1) if causal else None
+    if left >= 0:
+        band = ones.tril(-left - 1)
+        hidden = band if hidden is None else hidden | band
+    return hidden
+
+
+def _window_mask(q: torch.Tensor, k: torch.Tensor, causal: bool, left: int) -> torch.Tensor:
+    """A window block's additive mask (0 / -inf) in q's dtype, for kernels that take one."""
+    hidden = _hidden(q.size(2), k.size(2), causal, left, q.device)
+    return torch.zeros(hidden.shape, dtype=q.dtype, device=q.device).masked_fill(hidden, float("-inf"))
+
+
 class _Math:
     """Softmax attention written out (fp32 scores); causal masks aligned bottom-right."""
 
     bottom_right = True
 
     @staticmethod
-    def _scores(q, k, causal, scale):
+    def _scores(q, k, causal, scale, left):
         s = torch.matmul(q.float(), _repeat_kv(k, q.size(1)).float().transpose(-1, -2)) * scale
-        if causal:
-            sq, sk = s.shape[-2:]
-            hidden = torch.ones(sq, sk, dtype=torch.bool, device=s.device).triu(sk - sq + 1)
-            s = s.masked_fill(hidden, float("-inf"))
-        return s
+        hidden = _hidden(*s.shape[-2:], causal, left, s.device)
+        return s if hidden is None else s.masked_fill(hidden, float("-inf"))
 
     @classmethod
-    def forward(cls, q, k, v, causal, scale):
-        s = cls._scores(q, k, causal, scale)
+    def forward(cls, q, k, v, causal, scale, left=-1):
+        s = cls._scores(q, k, causal, scale, left)
         lse = torch.logsumexp(s, dim=-1)
         out = torch.matmul(torch.exp(s - lse.unsqueeze(-1)), _repeat_kv(v, q.size(1)).float())
         return out.to(q.dtype), lse
 
     @classmethod
-    def backward(cls, dout, q, k, v, out, lse, causal, scale):
-        p = torch.exp(cls._scores(q, k, causal, scale) - lse.unsqueeze(-1))
+    def backward(cls, dout, q, k, v, out, lse, causal, scale, left=-1):
+        p = torch.exp(cls._scores(q, k, causal, scale, left) - lse.unsqueeze(-1))
         dout = dout.float()
         dv = torch.matmul(p.transpose(-1, -2), dout)
         dp = torch.matmul(dout, _repeat_kv(v, q.size(1)).float().transpose(-1, -2))
@@ -205,16 +326,24 @@ class _Math:
 
 
 class _CPU:
-    """aten's CPU flash kernel (GQA as it is; causal mask aligned top-left)."""
+    """aten's CPU flash kernel (GQA as it is; causal mask aligned top-left; a window's
+    blocks as an additive mask of the block)."""
 
     bottom_right = False
 
     @staticmethod
-    def forward(q, k, v, causal, scale):
+    def forward(q, k, v, causal, scale, left=-1):
+        if left >= 0:
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q, k, v, 0.0, False, attn_mask=_window_mask(q, k, causal, left), scale=scale)[:2]
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)[:2]
 
     @staticmethod
-    def backward(dout, q, k, v, out, lse, causal, scale):
+    def backward(dout, q, k, v, out, lse, causal, scale, left=-1):
+        if left >= 0:
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                dout.contiguous(), q, k, v, out, lse, 0.0, False, attn_mask=_window_mask(q, k, causal, left),
+                scale=scale)
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout.contiguous(), q, k, v, out, lse, 0.0, causal, scale=scale)
 
@@ -232,13 +361,24 @@ class _Flash:
     bottom_right = None
 
     @staticmethod
-    def forward(q, k, v, causal, scale):
+    def forward(q, k, v, causal, scale, left=-1):
+        if left >= 0:  # the kernel's own window (FlashAttention-2's window_size), [b, s, h, d]
+            out, lse, *_ = torch.ops.aten._flash_attention_forward(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, None, q.size(2), k.size(2), 0.0,
+                causal, False, scale=scale, window_size_left=left, window_size_right=0 if causal else -1)
+            return out.transpose(1, 2), lse
         out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
         return out, lse
 
     @staticmethod
-    def backward(dout, q, k, v, out, lse, causal, scale):
+    def backward(dout, q, k, v, out, lse, causal, scale, left=-1):
         seed, offset = _no_rng(q.device)
+        if left >= 0:
+            dq, dk, dv = torch.ops.aten._flash_attention_backward(
+                dout.transpose(1, 2).contiguous(), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                out.transpose(1, 2), lse, None, None, q.size(2), k.size(2), 0.0, causal, seed, offset, scale=scale,
+                window_size_left=left, window_size_right=0 if causal else -1)
+            return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
         return torch.ops.aten._scaled_dot_product_flash_attention_backward(
             dout.contiguous(), q, k, v, out, lse, None, None, q.size(2), k.size(2), 0.0, causal, seed, offset,
             scale=scale)
@@ -255,14 +395,14 @@ class _CuDNN:
     bottom_right = None
 
     @staticmethod
-    def forward(q, k, v, causal, scale):
+    def forward(q, k, v, causal, scale, left=-1):
         k, v = _repeat_kv(k, q.size(1)), _repeat_kv(v, q.size(1))
         out, lse, *_ = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False,
                                                                           scale=scale)
         return out, lse.reshape(lse.shape[:3])
 
     @staticmethod
-    def backward(dout, q, k, v, out, lse, causal, scale):
+    def backward(dout, q, k, v, out, lse, causal, scale, left=-1):
         kr, vr = _repeat_kv(k, q.size(1)), _repeat_kv(v, q.size(1))
         seed, offset = _no_rng(q.device)
         lse = lse.unsqueeze(-1) if _CUDNN_LSE_4D else lse
@@ -285,14 +425,14 @@ class _Efficient:
         return sq if torch.version.hip else -(-sq // 32) * 32
 
     @staticmethod
-    def forward(q, k, v, causal, scale):
+    def forward(q, k, v, causal, scale, left=-1):
         k, v = _repeat_kv(k, q.size(1)), _repeat_kv(v, q.size(1))
         out, lse, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal,
                                                                               scale=scale)
         return out, lse[..., : q.size(2)]
 
     @classmethod
-    def backward(cls, dout, q, k, v, out, lse, causal, scale):
+    def backward(cls, dout, q, k, v, out, lse, causal, scale, left=-1):
         kr, vr = _repeat_kv(k, q.size(1)), _repeat_kv(v, q.size(1))
         lse = F.pad(lse, (0, cls._lse_rows(q.size(2)) - q.size(2))).contiguous()
         seed, offset = _no_rng(q.device)
@@ -318,31 +458,35 @@ class _FlashAttn:
         def options(fn):
             params = inspect.signature(getattr(fn, "_init_fn", fn)).parameters
             opts = {"alibi_slopes": None}
-            if "window_size" in params:
-                opts["window_size"] = (-1, -1)
-            else:
-                opts.update(window_size_left=-1, window_size_right=-1)
             if "softcap" in params:
                 opts["softcap"] = 0.0
-            return opts
+            return opts, "window_size" in params
 
         return _flash_attn_forward, options(_flash_attn_forward), _flash_attn_backward, options(_flash_attn_backward)
 
+    @staticmethod
+    def _with_window(options, causal: bool, left: int) -> dict:
+        opts, one_argument = options
+        right = 0 if causal and left >= 0 else -1
+        window = dict(window_size=(left, right)) if one_argument else dict(window_size_left=left,
+                                                                           window_size_right=right)
+        return {**opts, **window}
+
     @classmethod
-    def forward(cls, q, k, v, causal, scale):
+    def forward(cls, q, k, v, causal, scale, left=-1):
         fwd, opts, _, _ = cls._functions()
         ret = fwd(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dropout_p=0.0, softmax_scale=scale,
-                  causal=causal, return_softmax=False, **opts)
+                  causal=causal, return_softmax=False, **cls._with_window(opts, causal, left))
         out, lse = (ret[0], ret[5]) if len(ret) == 8 else (ret[0], ret[1])  # before 2.6: 8 values
         return out.transpose(1, 2), lse
 
     @classmethod
-    def backward(cls, dout, q, k, v, out, lse, causal, scale):
+    def backward(cls, dout, q, k, v, out, lse, causal, scale, left=-1):
         _, _, bwd, opts = cls._functions()
         q, k, v, out, dout = (t.transpose(1, 2) for t in (q, k, v, out, dout))
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         bwd(dout.contiguous(), q, k, v, out, lse, dq, dk, dv, dropout_p=0.0, softmax_scale=scale, causal=causal,
-            deterministic=False, rng_state=None, **opts)
+            deterministic=False, rng_state=None, **cls._with_window(opts, causal, left))
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
 
@@ -368,26 +512,31 @@ def validate_backend(name: str) -> str:
 
 
 def resolve_backend(name: str, device: torch.device, dtype: torch.dtype, planned: bool = False,
-                    keys: Optional[int] = None) -> str:
+                    keys: Optional[int] = None, windowed: bool = False) -> str:
     """The kernel a backend name means on ``device`` for ``dtype`` (``auto``: the fastest
     there is, for attention over ``keys`` keys where given; ``gpu``: what ``auto`` picks on a
     GPU), or a one-line ValueError when the kernel cannot run there. ``planned``: the tensors
     are fake (the memory planner), and a GPU kernel's meta function runs on any device.
+    ``windowed``: the layer has a sliding window.
 
     ``auto`` on a GPU in fp16/bf16 is cuDNN's attention from :data:`AUTO_CUDNN_FROM_KEYS` keys
     on where it runs here (NVIDIA, and the first use's check passes), else flash; fp32 is the
-    memory-efficient kernel. Every mode resolves the same name at the same sequence length to
+    memory-efficient kernel. A window layer takes flash (fp16/bf16) or math (fp32): the
+    others have no window. Every mode resolves the same name at the same sequence length to
     the same kernel."""
     gpu = device.type == "cuda" or planned
     if name == "gpu" and not gpu:
         raise ValueError("attention backend 'gpu' plans a GPU's kernels, on fake tensors only (the memory planner); "
                          "use 'auto'")
+    if windowed and name in NO_WINDOW:
+        raise ValueError(f"attention backend {name!r} has no sliding window (--window-size); use 'auto', 'flash' or "
+                         "'flash_attn'")
     if name == "auto" and device.type != "cuda":
         return "cpu"
     if name in ("auto", "gpu"):
         if dtype not in (torch.float16, torch.bfloat16):
-            return "efficient"
-        long = keys is not None and keys >= AUTO_CUDNN_FROM_KEYS
+            return "math" if windowed else "efficient"
+        long = keys is not None and keys >= AUTO_CUDNN_FROM_KEYS and not windowed
         return "cudnn" if long and _cudnn_runs(device, dtype, planned) else "flash"
     if name in GPU_BACKENDS and not gpu:
         raise ValueError(f"attention backend {name!r} runs on CUDA/ROCm GPUs only (tensors on {device.type}); "
@@ -456,23 +605,26 @@ def check_backend(backend: str, device: torch.device, dtype: torch.dtype) -> Non
 
     kernel, tol = _KERNELS[backend], (1e-3 if dtype == torch.float32 else 3e-2)
 
-    def agrees(sq, sk, causal, reference=_Math):
+    def agrees(sq, sk, causal, left=-1, reference=_Math):
         q, dout, k, v = tensor(sq, 4), tensor(sq, 4), tensor(sk, 2), tensor(sk, 2)
-        ref = reference.forward(q, k, v, causal, 0.125)
-        ref_grads = reference.backward(dout, q, k, v, *ref, causal, 0.125)
-        got = kernel.forward(q, k, v, causal, 0.125)
-        got_grads = kernel.backward(dout, q, k, v, *ref, causal, 0.125)
+        ref = reference.forward(q, k, v, causal, 0.125, left)
+        ref_grads = reference.backward(dout, q, k, v, *ref, causal, 0.125, left)
+        got = kernel.forward(q, k, v, causal, 0.125, left)
+        got_grads = kernel.backward(dout, q, k, v, *ref, causal, 0.125, left)
         for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), (*got, *got_grads), (*ref, *ref_grads)):
             if a.shape != b.shape or not torch.allclose(a.float(), b.float(), atol=tol * b.abs().max().item(), rtol=0):
                 return name
         return None
 
-    for sq, sk, causal in ((64, 64, True), (64, 128, False)):
-        wrong = agrees(sq, sk, causal)
+    cases = [(64, 64, True, -1), (64, 128, False, -1)]
+    if backend in WINDOW_NATIVE:  # a window's blocks: causal, and a band of diagonals
+        cases += [(64, 64, True, 16), (64, 64, False, 8)]
+    for sq, sk, causal, left in cases:
+        wrong = agrees(sq, sk, causal, left)
         if wrong:
             raise RuntimeError(f"attention backend {backend!r} gives a wrong {wrong} on {device.type} {dtype} "
-                               f"(causal={causal}, {sq}x{sk}); build the model with attention_backend='math' "
-                               "or another backend")
+                               f"(causal={causal}, window {left}, {sq}x{sk}); build the model with "
+                               "attention_backend='math' or another backend")
     aligned = kernel.bottom_right
     if aligned is None:
         try:
@@ -491,9 +643,12 @@ def _kernel(backend: str, q: torch.Tensor) -> Tuple[str, type]:
 
 
 def _by_query(blocks_: Sequence[Block]) -> Dict[Tuple[int, int], List[Block]]:
+    """Blocks grouped by the query rows they merge over: a window's band that covers only
+    the first rows of a piece (:func:`window_blocks`) joins the block of the whole piece."""
     rows: Dict[Tuple[int, int], List[Block]] = {}
-    for b in blocks_:
-        rows.setdefault((b[0], b[1]), []).append(b)
+    for b in sorted(blocks_, key=lambda b: b[0] - b[1]):  # widest first, stable
+        whole = next((r for r in rows if r[0] <= b[0] and b[1] <= r[1]), (b[0], b[1]))
+        rows.setdefault(whole, []).append(b)
     return rows
 
 
@@ -502,28 +657,35 @@ def _forward_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks_flat
     """Attention of ``q`` ``[b, h, sq, d]`` against ``k``, ``v`` over the blocks, written into
     ``out`` (any strides); returns the log-sum-exp ``[b, h, sq]`` (fp32). Blocks of the same
     query rows are merged by their lse, out = sum_j exp(l_j - lse) o_j, summed in fp32 and
-    rounded once as it is written into ``out``."""
+    rounded once as it is written into ``out`` (a block of fewer rows adds to its rows)."""
     _, kernel = _kernel(backend, q)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     for (q0, q1), row_blocks in _by_query(_unflat(blocks_flat)).items():
-        results = [kernel.forward(q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], causal, scale)
-                   for _, _, k0, k1, causal in row_blocks]
+        results = [(b0 - q0, b1 - q0, *kernel.forward(q[:, :, b0:b1], k[:, :, k0:k1], v[:, :, k0:k1], causal, scale,
+                                                      *left))
+                   for b0, b1, k0, k1, causal, *left in row_blocks]
         if len(results) == 1:
-            out[:, :, q0:q1].copy_(results[0][0])
-            lse[:, :, q0:q1].copy_(results[0][1])
+            out[:, :, q0:q1].copy_(results[0][2])
+            lse[:, :, q0:q1].copy_(results[0][3])
             continue
-        merged = results[0][1]
-        for _, o_lse in results[1:]:
-            merged = torch.logaddexp(merged, o_lse)
+        whole = all((a, b) == (0, q1 - q0) for a, b, _, _ in results)
+        merged = results[0][3] if whole else results[0][3].clone()
+        for a, b, _, o_lse in results[1:]:
+            if (a, b) == (0, q1 - q0):
+                merged = torch.logaddexp(merged, o_lse)
+            else:
+                merged[:, :, a:b] = torch.logaddexp(merged[:, :, a:b], o_lse)
         acc = None
-        for i, (o, o_lse) in enumerate(results):
-            weight = torch.exp(o_lse - merged).unsqueeze(-1)
+        for i, (a, b, o, o_lse) in enumerate(results):
+            weight = torch.exp(o_lse - merged[:, :, a:b]).unsqueeze(-1)
             if acc is None:
-                acc = o * weight  # fp32: the weight is
-            elif i < len(results) - 1:
-                acc.addcmul_(o, weight)
+                acc = o * weight  # fp32: the weight is; the first block covers every row
+            elif i < len(results) - 1 or not whole:
+                acc[:, :, a:b].addcmul_(o, weight)
             else:  # the last term, in fp32, rounded once into out
                 torch.addcmul(acc, o, weight, out=out[:, :, q0:q1])
+        if not whole:
+            out[:, :, q0:q1].copy_(acc)
         lse[:, :, q0:q1].copy_(merged)
     return lse
 
@@ -549,9 +711,9 @@ def _backward_into(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     keys_written = [(b[2], b[3]) for b in every[:first]]
     rows_written = [(b[0], b[1]) for b in every[:first]]
     dq_parts = []
-    for q0, q1, k0, k1, causal in every[first:last]:
+    for q0, q1, k0, k1, causal, *left in every[first:last]:
         g = kernel.backward(dout[:, :, q0:q1], q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1],
-                            out[:, :, q0:q1], lse[:, :, q0:q1].contiguous(), causal, scale)
+                            out[:, :, q0:q1], lse[:, :, q0:q1].contiguous(), causal, scale, *left)
         dq_parts.append((q0, q1, g[0]))
         for a, b, add in _cover(keys_written, k0, k1):
             for buf, grad in ((dk, g[1]), (dv, g[2])):
@@ -637,7 +799,7 @@ def _whole_backward(dout, q, k, v, out, lse, blocks_flat, scale, backend):
     dq = torch.empty_like(q)
     dk = torch.empty_like(k, dtype=torch.float32)
     dv = torch.empty_like(v, dtype=torch.float32)
-    _block_attention_backward(dout, q, k, v, out, lse, blocks_flat, 0, len(blocks_flat) // 5, scale, backend,
+    _block_attention_backward(dout, q, k, v, out, lse, blocks_flat, 0, len(blocks_flat) // 6, scale, backend,
                               dq, dk, dv, True)
     return dq, dk.to(k.dtype), dv.to(v.dtype)
 
@@ -662,7 +824,7 @@ for _op in (torch.ops.megatron_tsp.block_attention, torch.ops.megatron_tsp.block
 def _flops_backward(dout_shape, q_shape, k_shape, v_shape, out_shape_, lse_shape, blocks_flat, first, last, *args,
                     out_shape=None, **kwargs) -> int:
     # a flash backward recomputes QK^T and computes dV, dP, dQ, dK: 5 GEMMs to forward's 2
-    return _flops_of(q_shape, blocks_flat[5 * first:5 * last]) * 5 // 2
+    return _flops_of(q_shape, blocks_flat[6 * first:6 * last]) * 5 // 2
 
 
 def bhsd(*tensors):
@@ -708,16 +870,17 @@ class _SinkAttention(torch.autograd.Function):
 
 
 def block_attention(query, keys, values, chunk_ids: Sequence[int], scale: float, backend: str,
-                    sink: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    sink: Optional[torch.Tensor] = None, window: int = -1) -> torch.Tensor:
     """Megatron layout: query ``[sq, b, hq, d]`` (its chunks at ``chunk_ids``), keys/values
     ``[sk, b, hk, d]`` in global order, hq a multiple of hk; ``sink``: a logit per query head
-    (:func:`apply_sink`). Returns ``out [sq, b, hq, d]``, differentiable by the op's own
-    backward (from the saved lse)."""
+    (:func:`apply_sink`); ``window``: keys before each query it sees (-1: all). Returns
+    ``out [sq, b, hq, d]``, differentiable by the op's own backward (from the saved lse)."""
     q, k, v = bhsd(query, keys, values)
     planned = is_fake(query)
-    backend = resolve_backend(backend, query.device, query.dtype, planned=planned, keys=keys.size(0))
+    backend = resolve_backend(backend, query.device, query.dtype, planned=planned, keys=keys.size(0),
+                              windowed=window >= 0)
     aligned = bottom_right(backend, query.device, query.dtype, planned=planned)
-    chunk_blocks = _flat(blocks(chunk_ids, q.size(2) // len(chunk_ids), aligned))
+    chunk_blocks = _flat(blocks(chunk_ids, q.size(2) // len(chunk_ids), aligned, window, backend))
     if sink is None:
         out, _ = _block_attention(q, k, v, chunk_blocks, float(scale), backend)
     else:

@@ -93,6 +93,27 @@ def _feature(flag: str, why: str, fix: str = "turn it off", **kw) -> Rule:
     return Rule(flag, why, fix, **kw)
 
 
+def window_pair(value: Any) -> Optional[Tuple[int, ...]]:
+    """megatron's ``window_size`` from any of its spellings: a tuple or list (a config, a
+    ``TransformerConfig``) or Megatron-LM's ``"W,0"``; None when unset; a ValueError line when
+    it is not integers."""
+    if value is None or isinstance(value, tuple):
+        return value
+    try:
+        parts = value.strip("()[] ").split(",") if isinstance(value, str) else list(value)
+        return tuple(int(p) for p in parts)
+    except (TypeError, ValueError):
+        raise ValueError(f"--window-size must be two integers W,0 (got {value!r})") from None
+
+
+def causal_window(value: Any) -> bool:
+    """Whether ``window_size`` is unset or a causal sliding window ``(W, 0)``, W >= 0: the
+    query sees itself and the W keys before it. megatron-core's local attention masks
+    ``(-1, 0)`` as no key at all, and a right window makes it non-causal."""
+    pair = window_pair(value)
+    return pair is None or (len(pair) == 2 and pair[0] >= 0 and pair[1] == 0)
+
+
 RULES: List[Rule] = [
     # the parallel layout
     _value("--tensor-model-parallel-size", "1", lambda v, d: v in (None, 1), "TSP occupies the tensor-parallel slot",
@@ -119,7 +140,9 @@ RULES: List[Rule] = [
     _feature("--fp4-format", "fp4 is not implemented", attr="fp4"),
     _feature("--tp-comm-overlap", "TransformerEngine's TP overlap does not apply to TSP, which overlaps its own"),
     _feature("--attention-output-gate", "gated attention output is not implemented", layer="attention"),
-    _feature("--window-size", "sliding-window attention is not implemented", layer="attention"),
+    _value("--window-size", "W,0 with W >= 0", lambda v, d: causal_window(v),
+           "the attention is causal: a query sees itself and the W keys before it", layer="attention",
+           type=window_pair),
     _feature("--mrope-section", "multimodal RoPE is not implemented", layer="attention"),
     _feature("--use-te-activation-func", "the ring MLP applies the activation itself", layer="mlp"),
     Rule("--hybrid-layer-pattern", "Mamba, gated delta net, MLA, DSA and MoE layers are not TSP layers",
@@ -138,9 +161,9 @@ RULES: List[Rule] = [
 
 # TransformerConfig, field by field: what a TSP layer may be given. Every field of megatron-core
 # 0.16's and 0.19's config that is neither below nor read by a rule of RULES changes a layer's
-# math in a way TSP does not compute (window_attn_skip_freq, no_rope_freq,
-# qk_l2_norm, use_mup, ...), or was added after someone last looked (a later megatron-core's):
-# it is refused at any value but its default (:func:`unlisted_settings`).
+# math in a way TSP does not compute (no_rope_freq, qk_l2_norm, use_mup, ...), or was added
+# after someone last looked (a later megatron-core's): it is refused at any value but its
+# default (:func:`unlisted_settings`).
 CONFIG_IMPLEMENTED = frozenset({
     # what the TSP layers compute at any value, as megatron's layers do
     "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels", "ffn_hidden_size",
@@ -150,7 +173,7 @@ CONFIG_IMPLEMENTED = frozenset({
     "glu_linear_offset", "activation_func_clamp_value", "hidden_dropout", "fp32_residual_connection",
     "params_dtype", "fp16", "bf16", "init_method", "output_layer_init_method", "init_method_std",
     "embedding_init_method", "embedding_init_method_std", "perform_initialization", "use_cpu_initialization",
-    "calculate_per_token_loss", "softmax_type",
+    "calculate_per_token_loss", "softmax_type", "window_attn_skip_freq",
 })
 CONFIG_NEUTRAL = frozenset({
     # how the math runs, not what it is: fusions, kernels, recompute, offloading, graphs, logging

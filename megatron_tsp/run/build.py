@@ -15,6 +15,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_tsp.core.parallel_state import initialize_model_parallel
 from megatron_tsp.core.sizes import ParallelSizes
+from megatron_tsp.core.support import window_pair
 from megatron_tsp.device import Device
 from megatron_tsp.run import data, modes, step
 from megatron_tsp.run.compat import enable_cpu_support
@@ -56,6 +57,8 @@ def transformer_config(args, device: Device) -> TransformerConfig:
         qk_layernorm=args.qk_layernorm,
         attention_dropout=args.attention_dropout,
         softmax_type=args.softmax_type,
+        window_size=window_pair(args.window_size),
+        window_attn_skip_freq=args.window_attn_skip_freq,
         hidden_dropout=args.hidden_dropout,
         init_method_std=args.init_method_std,
         layernorm_epsilon=args.norm_epsilon,

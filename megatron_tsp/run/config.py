@@ -19,7 +19,7 @@ from typing import Any, Dict, Iterable, List, Optional
 import yaml
 
 from megatron_tsp.core.sizes import ParallelSizes
-from megatron_tsp.core.support import RULES, violations
+from megatron_tsp.core.support import RULES, causal_window, violations
 from megatron_tsp.errors import ConfigError
 
 
@@ -30,6 +30,8 @@ class Arg:
     help: str
     # Megatron-LM's flag where it is not ``--`` + the key with dashes (on-by-default switches)
     flag: Optional[str] = None
+    # a str that Megatron-LM reads as "a,b": a YAML list is written so
+    comma: bool = False
 
 
 def _b(help_: str) -> Arg:
@@ -56,6 +58,9 @@ ARGUMENTS: Dict[str, Arg] = {
     "qk_layernorm": _b("layer norm on queries and keys"),
     "softmax_type": Arg(str, "vanilla", "attention softmax: vanilla, off-by-one (a sink logit 0) or learnable "
                                         "(a sink logit per head, trained; gpt-oss's attention sinks)"),
+    "window_size": Arg(str, None, "sliding-window attention 'W,0': a query sees itself and the W keys before it "
+                                  "(megatron-core's window_size)", comma=True),
+    "window_attn_skip_freq": Arg(int, None, "with window_size: every N-th layer attends to every earlier key"),
     "untie_embeddings_and_output_weights": _b("separate output layer weights"),
     "attention_dropout": Arg(float, 0.1, "attention dropout (TSP needs 0)"),
     "hidden_dropout": Arg(float, 0.1, "hidden dropout"),
@@ -211,6 +216,8 @@ def typed(values: Dict[str, Any], where: str) -> Dict[str, Any]:
                 pass
         elif isinstance(value, str) and arg.type is list:
             value = [value]
+        elif isinstance(value, list) and arg.comma:
+            value = ",".join(str(v) for v in value)
         ok = value is None or isinstance(value, arg.type) or (arg.type is float and isinstance(value, int))
         if arg.type is list and isinstance(value, list):
             ok = all(isinstance(v, (str, int, float)) and not isinstance(v, bool) for v in value)
@@ -263,6 +270,7 @@ POSITIVE_INTS = (
     "context_parallel_size", "pipeline_model_parallel_size", "micro_batch_size", "global_batch_size",
     "train_iters", "lr_decay_iters", "recompute_num_layers", "log_interval", "vocab_size",
     "make_vocab_size_divisible_by", "save_interval", "exit_duration_in_mins", "exit_interval", "ddp_bucket_size",
+    "window_attn_skip_freq",
 )
 NON_NEGATIVE = ("lr", "min_lr", "lr_warmup_iters", "weight_decay", "clip_grad", "seed")
 POSITIVE_FLOATS = ("init_method_std", "norm_epsilon")
@@ -310,6 +318,12 @@ def check_values(ns: argparse.Namespace) -> None:
         raise bad("recompute_modules", f"a list of {', '.join(RECOMPUTE_MODULES)}")
     if ns.min_lr > ns.lr:
         raise bad("min_lr", f"<= lr {ns.lr}")
+    try:
+        causal = causal_window(ns.window_size)
+    except ValueError:
+        causal = False
+    if not causal:  # every mode's attention is causal (the TSP rule says it again, in its words)
+        raise bad("window_size", "W,0 with W >= 0: a query sees itself and the W keys before it")
     parts = ns.split.split(",")
     if len(parts) != 3 or not all(re.fullmatch(r"\d+(\.\d*)?", p.strip()) for p in parts) \
             or float(parts[0]) <= 0:
@@ -373,6 +387,7 @@ def check_combinations(ns: argparse.Namespace) -> None:
          "baselines on TransformerEngine's spec, which has)"),
         (ns.tokenizer_type != "NullTokenizer" or ns.vocab_size, "vocab_size",
          "is required with tokenizer_type NullTokenizer"),
+        (ns.window_attn_skip_freq is None or ns.window_size, "window_attn_skip_freq", "applies with window_size"),
     ]
     for ok, key, message in checks:
         if not ok:

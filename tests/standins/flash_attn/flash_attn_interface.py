@@ -6,14 +6,20 @@ from typing import Optional, Tuple
 import torch
 
 
-def _scores(q, k, causal, scale):
-    """[b, h, sq, sk] fp32 scores of [b, s, h, d] inputs; causal aligned bottom-right."""
+def _scores(q, k, causal, scale, left=-1, right=-1):
+    """[b, h, sq, sk] fp32 scores of [b, s, h, d] inputs; causal and the window aligned
+    bottom-right: query i sees keys i + sk - sq - left ... i + sk - sq + right (-1: no bound;
+    causal: right 0)."""
     heads = q.size(2)
     k = k.repeat_interleave(heads // k.size(2), dim=2)
     s = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float()) * scale
-    if causal:
-        sq, sk = q.size(1), k.size(1)
-        s = s.masked_fill(torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu(sk - sq + 1), float("-inf"))
+    sq, sk = q.size(1), k.size(1)
+    ones = torch.ones(sq, sk, dtype=torch.bool, device=q.device)
+    right = 0 if causal else right
+    if right >= 0:
+        s = s.masked_fill(ones.triu(sk - sq + right + 1), float("-inf"))
+    if left >= 0:
+        s = s.masked_fill(ones.tril(sk - sq - left - 1), float("-inf"))
     return s
 
 
@@ -22,8 +28,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float
              alibi_slopes: Optional[torch.Tensor], return_softmax: bool
              ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     assert dropout_p == 0.0 and softcap == 0.0 and alibi_slopes is None
-    assert (window_size_left, window_size_right) == (-1, -1)
-    s = _scores(q, k, causal, softmax_scale)
+    s = _scores(q, k, causal, softmax_scale, window_size_left, window_size_right)
     lse = torch.logsumexp(s, dim=-1)
     v = v.repeat_interleave(q.size(2) // v.size(2), dim=2)
     out = torch.einsum("bhqk,bkhd->bqhd", torch.exp(s - lse.unsqueeze(-1)), v.float()).to(q.dtype)
@@ -44,7 +49,7 @@ def _backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
               deterministic: bool, rng_state: Optional[torch.Tensor] = None) -> torch.Tensor:
     assert softmax_lse.shape == (q.size(0), q.size(2), q.size(1)), "lse must be [b, h, sq]"
     groups = q.size(2) // k.size(2)
-    p = torch.exp(_scores(q, k, causal, softmax_scale) - softmax_lse.unsqueeze(-1))
+    p = torch.exp(_scores(q, k, causal, softmax_scale, window_size_left, window_size_right) - softmax_lse.unsqueeze(-1))
     do = dout.float()
     vr = v.repeat_interleave(groups, dim=2).float()
     kr = k.repeat_interleave(groups, dim=2).float()
