@@ -394,6 +394,20 @@ def test_a_kernel_that_refuses_non_square_causal_blocks_gets_square_ones(monkeyp
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_a_window_layer_takes_a_kernel_with_a_window():
+    """cuDNN's and the memory-efficient kernel have no sliding window: auto takes flash (fp32:
+    math) for a window layer at any length, and naming them is one line."""
+    from megatron_tsp.core.block_attention import resolve_backend
+
+    cpu = torch.device("cpu")
+    assert resolve_backend("gpu", cpu, torch.bfloat16, planned=True, keys=1 << 17) == "cudnn"
+    assert resolve_backend("gpu", cpu, torch.bfloat16, planned=True, keys=1 << 17, windowed=True) == "flash"
+    assert resolve_backend("gpu", cpu, torch.float32, planned=True, windowed=True) == "math"
+    for name in ("cudnn", "efficient"):
+        with pytest.raises(ValueError, match=f"attention backend '{name}' has no sliding window"):
+            resolve_backend(name, cpu, torch.bfloat16, planned=True, windowed=True)
+
+
 def test_auto_takes_cudnn_for_long_sequences_where_it_runs(monkeypatch):
     """On an H200, cuDNN's attention ran the 7B's 128K step 1.6x faster than flash in every mode,
     flash is faster at 8K: auto picks by the number of keys, the same in every mode."""

@@ -54,6 +54,11 @@ def test_bad_files_name_the_key(tmp_path, text, message):
     (dict(num_attention_heads=4, group_query_attention=True, num_query_groups=3),
      "'num_query_groups' (--num-query-groups) must divide num_attention_heads"),
     (dict(min_lr=0.1, lr=0.01), "'min_lr' (--min-lr) must be <= lr 0.01"),
+    # every mode's attention is causal: a window reaches back only
+    (dict(window_size="64,8"), "'window_size' (--window-size) must be W,0 with W >= 0"),
+    (dict(window_size="-1,0"), "'window_size' (--window-size) must be W,0 with W >= 0"),
+    (dict(window_size="sixty"), "'window_size' (--window-size) must be W,0 with W >= 0"),
+    (dict(window_attn_skip_freq=2), "'window_attn_skip_freq' (--window-attn-skip-freq) applies with window_size"),
 ])
 def test_impossible_combinations_name_the_key(values, message):
     base = dict(mock_data=True, vocab_size=256, attention_dropout=0.0)
@@ -69,6 +74,8 @@ def test_flags_render_in_megatron_lm_form():
     assert flags == ["--num-layers", "2", "--swiglu", "--data-path", "a", "b", "--lr", "0.0003",
                      "--no-check-for-nan-in-loss-and-grad"]
     assert config.to_megatron_flags({"check_for_nan_in_loss_and_grad": True}) == []
+    # megatron-LM's tuple_type reads "64,0"; a YAML list is written so
+    assert config.to_megatron_flags(config.typed({"window_size": [64, 0]}, "x")) == ["--window-size", "64,0"]
 
 
 @pytest.mark.parametrize("path", RUN_CONFIGS, ids=[os.path.relpath(c, ROOT) for c in RUN_CONFIGS])

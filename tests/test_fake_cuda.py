@@ -16,6 +16,7 @@ MODES = ("tsp", "tsp-no-overlap", "tp", "tp-sp", "tp-sp-ring", "tp-ring", "tp-cp
 BACKENDS = ("flash", "cudnn", "efficient", "flash_attn")
 TINY, SEVEN_B = "configs/tiny-cpu.yaml", "configs/7b/128k-tsp8.yaml"
 ODD = {"bf16": True, "seq_length": 120, "max_position_embeddings": 120}  # zigzag chunks of 30 and 60 tokens
+WINDOW = dict(ODD, window_size="16,0", window_attn_skip_freq=2)  # a band of the previous chunk, then every key
 CASES = (
     # every GPU kernel, bf16, on the default config at a length no kernel tile divides
     [dict(config=TINY, mode=m, backend=b, overrides=ODD)
@@ -25,6 +26,10 @@ CASES = (
     # torch-ROCm (the paper's MI300X): auto is the flash kernel, AOTriton, whose backward refuses
     # a non-square causal block (the planner planned CUDA's bottom-right ones)
     + [dict(config=TINY, mode=m, overrides=ODD, rocm=True) for m in ("tsp", "tp-cp")]
+    # a sliding window on the kernels that take one themselves (auto: flash), and the fp32 fallback (math)
+    + [dict(config=TINY, mode=m, backend=b, overrides=WINDOW) for m in ("tsp", "tp-sp", "tp-cp")
+       for b in ("flash", "flash_attn")]
+    + [dict(config=TINY, mode="tsp", overrides=dict(WINDOW, bf16=False))]
     # the paper's 7B at 128K (D=8, bf16, full recompute) at 2 layers, auto (the flash kernel)
     + [dict(config=SEVEN_B, mode=m, overrides={"num_layers": 2}) for m in ("tsp", "tp", "tp-sp", "tp-sp-ring", "tp-cp")]
 )
@@ -57,7 +62,10 @@ def results():
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"{os.path.basename(c['config'])}-{c['mode']}-{c.get('backend', 'auto')}"
-                                             + ("-rocm" if c.get("rocm") else "") for c in CASES])
+                                             + ("-rocm" if c.get("rocm") else "")
+                                             + ("-window" if "window_size" in c.get("overrides", {}) else "")
+                                             + ("-fp32" if c.get("overrides", {}).get("bf16") is False else "")
+                                             for c in CASES])
 def test_a_gpu_training_step_runs(results, case):
     result = results[_key(case)]
     assert result["error"] is None, result["traceback"]

@@ -81,6 +81,26 @@ def test_softmax_sinks_train_like_single_process(ranks, sinks, softmax_type, mod
         assert_history_close(history, expected)
 
 
+WINDOW = dict(window_size=(5, 0), window_attn_skip_freq=2)  # layer 1 sees 5 keys back, layer 2 every key
+
+
+@pytest.fixture(scope="module")
+def windowed(ranks):
+    return ranks(1, run, "single", "modern", steps=STEPS, **WINDOW)[0]
+
+
+@pytest.mark.parametrize("mode,kwargs", [("tsp", dict(tsp=2)), ("tsp", dict(tsp=4)), ("tp-sp", dict(tp=2)),
+                                         ("tp-cp", dict(cp=2))], ids=["tsp2", "tsp4", "tp2-sp", "cp2"])
+def test_sliding_windows_train_like_single_process(ranks, single, windowed, mode, kwargs):
+    """megatron-core's window_size and window_attn_skip_freq (sliding-window attention with CP
+    is slow or times out: Megatron-LM #2222): TSP and the baselines train as the world=1
+    stock model, whose local attention masks the window, over chunks of 4 to 16 tokens."""
+    assert windowed[0].loss != single["modern"][0].loss  # the window changes the model
+    size = kwargs.get("tsp", 1) * kwargs.get("tp", 1) * kwargs.get("cp", 1)
+    for history in ranks(size, run, mode, "modern", steps=STEPS, **kwargs, **WINDOW):
+        assert_history_close(history, windowed)
+
+
 def test_tsp_and_tp_sp_loss_curves_match(ranks):
     tsp = ranks(2, run, "tsp", "modern", steps=STEPS, tsp=2)[0]
     tp_sp = ranks(2, run, "tp-sp", "modern", steps=STEPS, tp=2)[0]

@@ -245,12 +245,16 @@ def test_rendered_configs_parse_with_megatron_lm(name):
         assert tsp == "1" and spec == "None"
 
 
-def test_learnable_softmax_sinks_through_pretrain_tsp_equals_tp_sp(tree, stock):
+@pytest.mark.parametrize("flags,printed_as", [
+    (("--softmax-type", "learnable"), dict(softmax_type="learnable")),
+    (("--window-size", "16,0", "--window-attn-skip-freq", "2"), dict(window_size="(16, 0)", window_attn_skip_freq="2")),
+], ids=["learnable-sinks", "sliding-window"])
+def test_attention_variants_through_pretrain_tsp_equal_tp_sp(tree, stock, flags, printed_as):
     """`--softmax-type` (megatron-core's TransformerConfig.softmax_type; Megatron-LM has no flag
-    for it): the script adds it, the config takes it by name, and TSP2 trains as Megatron-LM's
-    own TP2+SP layers with the same sinks."""
-    tsp_losses, printed = _pretrain(tree, None, "--tsp-size", "2", "--softmax-type", "learnable")
-    assert printed["softmax_type"] == "learnable"
-    tp_losses, _ = _pretrain(tree, None, *TP_SP, "--softmax-type", "learnable")
+    for it: the script adds it) and Megatron-LM's `--window-size` with `--window-attn-skip-freq`:
+    the config takes them by name, and TSP2 trains as Megatron-LM's own TP2+SP layers do."""
+    tsp_losses, printed = _pretrain(tree, None, "--tsp-size", "2", *flags)
+    assert {key: printed[key] for key in printed_as} == printed_as
+    tp_losses, _ = _pretrain(tree, None, *TP_SP, *flags)
     _close(tsp_losses, tp_losses)
-    assert tsp_losses[1] != stock[0][1]  # the sinks are there: not the vanilla softmax's loss
+    assert tsp_losses[1] != stock[0][1]  # the variant is there: not the plain model's loss

@@ -244,20 +244,24 @@ def test_a_run_that_needs_many_epochs_of_its_corpus_says_so(tmp_path):
         "every token is seen that often"], out.stderr
 
 
-def test_learnable_softmax_sinks_train_tsp_and_tp_sp_from_the_same_loss(ranks, tmp_path, uninterrupted):
+@pytest.mark.parametrize("flags,keys", [(["--softmax-type", "learnable"], dict(softmax_type="learnable")),
+                                        (["--window-size", "64,0"], dict(window_size="64,0"))],
+                         ids=["learnable-sinks", "sliding-window"])
+def test_attention_variants_train_tsp_and_tp_sp_from_the_same_loss(ranks, tmp_path, uninterrupted, flags, keys):
     """`megatron-tsp train --softmax-type learnable` (megatron-core's TransformerConfig.softmax_type,
-    which Megatron-LM has no flag for): TSP2 and TP2+SP start from the same loss, and the sinks
-    change it (the default model's first loss differs)."""
+    which Megatron-LM has no flag for) and `--window-size 64,0` (a sliding window of 64 keys
+    over 128 tokens): TSP2 and TP2+SP start from the same loss, and the variant changes it
+    (the default model's first loss differs)."""
     from megatron_tsp.cli import build_parser
     from megatron_tsp.run import config
 
-    ns = build_parser().parse_args(["train", TINY, "--softmax-type", "learnable"])
-    assert config.overrides(ns) == dict(softmax_type="learnable")
+    ns = build_parser().parse_args(["train", TINY, *flags])
+    assert config.overrides(ns) == keys
     first = {}
     for name, layout in (("tsp", dict(tsp_size=2)),
                          ("tp-sp", dict(tsp_size=1, tensor_model_parallel_size=2, sequence_parallel=True))):
         log = tmp_path / f"{name}.jsonl"
-        ranks(2, _train_logged, dict(layout, softmax_type="learnable", train_iters=1), tmp_path, log)
+        ranks(2, _train_logged, dict(layout, **keys, train_iters=1), tmp_path, log)
         first[name] = _records(log)[0]["loss"]
     assert abs(first["tsp"] - first["tp-sp"]) <= 1e-5 * first["tp-sp"], first
     assert first["tsp"] != uninterrupted[1]["loss"]
