@@ -154,6 +154,10 @@ RULES: List[Rule] = [
     _feature("--use-legacy-models", "TSP needs megatron-core models", "drop --use-legacy-models", attr=None,
              layer="launch"),
     _feature("--sft", "packed (THD) sequences are not implemented", "drop --sft", attr=None, layer="launch"),
+    # the dataset's [b, 1, S, S] document mask, which TSP's attention does not read (causal over the whole
+    # sequence): documents would attend across their boundaries
+    _feature("--reset-attention-mask", "packed documents are not implemented (TSP attends causally over the whole "
+             "sequence)", "drop --reset-attention-mask", attr=None, layer="launch"),
     _feature("--overlap-moe-expert-parallel-comm", "mixture-of-experts is not implemented", attr=None,
              layer="launch"),
 ]

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -307,14 +308,28 @@ def planned_layers(values: Dict) -> Tuple[int, int]:
     added is one that is not recomputed). Not 1: a one-layer model's peak can fall at
     another point of the step than a deeper one's, and a line through 1 and 2 layers then
     has the wrong slope (the 7B's ring MLP at 128K with full recompute: +1.7 GiB at 32
-    layers)."""
+    layers). Sliding windows with ``window_attn_skip_freq`` p (every p-th layer global):
+    the units and the step between the counts are whole periods of p layers (a unit of u
+    layers: u and 2u with u = lcm(p, k) >= 2; block recompute: k+p and k+2p)."""
     k = values.get("recompute_num_layers") or 1
-    if values.get("recompute_granularity") == "full":
-        if values.get("recompute_method") == "block" and k < values.get("num_layers", k + 1):
-            return max(2, k + 1), max(2, k + 1) + 1
-        if values.get("recompute_method") == "uniform":
-            return 2 * k, 3 * k
-    return 2, 3
+    period = window_period(values)
+    full = values.get("recompute_granularity") == "full"
+    if full and values.get("recompute_method") == "block" and k < values.get("num_layers", k + 1):
+        if period > 1:
+            return k + period, k + 2 * period
+        return max(2, k + 1), max(2, k + 1) + 1
+    unit = k if full and values.get("recompute_method") == "uniform" else 1
+    if period > 1:
+        unit = max(2, math.lcm(unit, period))
+        return unit, 2 * unit
+    return 2 * unit, 3 * unit
+
+
+def window_period(values: Dict) -> int:
+    """Layers per period of local and global layers: ``window_attn_skip_freq`` where a
+    window is set (every p-th layer attends to every key), else 1."""
+    freq = values.get("window_attn_skip_freq")
+    return freq if values.get("window_size") and isinstance(freq, int) and freq > 1 else 1
 
 
 def first_and_last_rank_plans(values: Dict, mode: str, world_size: Optional[int] = None, cp: int = DEFAULT_CP,
