@@ -82,16 +82,31 @@ def _get(module, name):
     return getattr(module.get_submodule(owner), leaf, None)
 
 
-def _run_tsp(tsp, x_full, dy_full, rope):
+def _run_tsp(tsp, x_full, dy_full, rope, packed_seq_params=None):
     group = megatron_tsp.get_tsp_group()
     x = local_rows(x_full, group).clone().requires_grad_()
-    out, bias = tsp(x, None, rotary_pos_emb=rope)
+    out, bias = tsp(x, None, rotary_pos_emb=rope, packed_seq_params=packed_seq_params)
     out.backward(local_rows(dy_full, group))
     return out, bias, x
 
 
+def _documents(starts, seq):
+    """(megatron's [b, 1, S, S] mask, True where hidden, as its dataset builds it for
+    --reset-attention-mask; our PackedSeqParams) of documents starting at ``starts``."""
+    from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
+
+    from megatron_tsp.core.documents import document_params
+
+    eod = 1
+    tokens = torch.zeros(len(starts), seq, dtype=torch.long)
+    for sample, ps in enumerate(starts):
+        tokens[sample, [p - 1 for p in ps if p > 0]] = eod
+    mask = torch.stack([_get_ltor_masks_and_position_ids(t, eod, False, True, False, True)[0] for t in tokens])
+    return mask, document_params(tokens, eod)
+
+
 def _one_case(tsp_size, dtype, groups, rope, qkv_bias, proj_bias, qk_norm, kv_channels=None, softmax_type="vanilla",
-              window_size=None, seq=SEQ):
+              window_size=None, seq=SEQ, documents=None):
     group = megatron_tsp.get_tsp_group()
     ref, tsp, solo = _build(tsp_size, dtype, groups, qkv_bias, proj_bias, qk_norm, kv_channels=kv_channels,
                             softmax_type=softmax_type, window_size=window_size)
@@ -100,10 +115,11 @@ def _one_case(tsp_size, dtype, groups, rope, qkv_bias, proj_bias, qk_norm, kv_ch
     dy_full = torch.randn(seq, BATCH, HIDDEN, generator=g).to(dtype)
     table = rotary_table(ref.config, seq, solo.cp) if rope else None
 
+    mask, packed = _documents(documents, seq) if documents else (None, None)
     x_ref = x_full.clone().requires_grad_()
-    out_ref, bias_ref = ref(x_ref, None, rotary_pos_emb=table)
+    out_ref, bias_ref = ref(x_ref, mask, rotary_pos_emb=table)
     out_ref.backward(dy_full)
-    out, bias, x = _run_tsp(tsp, x_full, dy_full, table)
+    out, bias, x = _run_tsp(tsp, x_full, dy_full, table, packed)
 
     assert torch.equal(tsp.linear_qkv.weight, shard_of(ref.linear_qkv.weight, 0, group))
     assert torch.equal(tsp.linear_proj.weight, shard_of(ref.linear_proj.weight, 1, group))
@@ -142,7 +158,13 @@ CASES = [
       dict(groups=4, rope=True, qkv_bias=False, proj_bias=False, qk_norm=False, window_size=(5, 0), seq=48),
       dict(groups=8, rope=True, qkv_bias=True, proj_bias=False, qk_norm=False, window_size=(13, 0), seq=48),
       dict(groups=4, rope=True, qkv_bias=False, proj_bias=False, qk_norm=False, window_size=(20, 0), seq=48,
-           softmax_type="learnable")]
+           softmax_type="learnable"),
+      # packed documents (--reset-attention-mask) against megatron's [b, 1, S, S] mask, 48 tokens: per sample, one
+      # crossing chunks and ranks, one of a token, one starting at a chunk boundary (D=2: 12, D=4: 6)
+      dict(groups=4, rope=True, qkv_bias=False, proj_bias=False, qk_norm=False, seq=48,
+           documents=[[0, 5, 6, 20, 33], [0, 24]]),
+      dict(groups=8, rope=False, qkv_bias=True, proj_bias=True, qk_norm=False, seq=48, softmax_type="learnable",
+           documents=[[0, 18], [0, 18]])]
 
 
 def _all_cases(tsp_size, dtype):
@@ -245,9 +267,10 @@ def _softmax_attention(q, k, v, scale, visible):
 @pytest.mark.parametrize("backend", ["cpu", "math"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("chunk_ids", [[0], [0, 3], [1, 2], [2, 5]], ids=str)
-def test_block_attention_matches_softmax_attention(backend, dtype, chunk_ids, window=-1, chunk=4):
+def test_block_attention_matches_softmax_attention(backend, dtype, chunk_ids, window=-1, chunk=4, documents=None):
     """Query chunks at their global chunk index against all keys (``window`` >= 0: the
-    ``window`` keys before each query and itself): forward and gradients."""
+    ``window`` keys before each query and itself; ``documents``: each of the 2 samples'
+    document starts, a query sees its own document's keys): forward and gradients."""
     from megatron_tsp.core.block_attention import block_attention
 
     seq = chunk * (max(chunk_ids) + 1)
@@ -259,9 +282,12 @@ def test_block_attention_matches_softmax_attention(backend, dtype, chunk_ids, wi
     dout = torch.randn(len(rows), 2, 4, 8, generator=g).to(dtype)
     behind = rows.unsqueeze(1) - torch.arange(seq).unsqueeze(0)
     visible = (behind >= 0) & ((behind <= window) if window >= 0 else True)
+    if documents is not None:  # [b, 1, sq, sk]: the key's document is the query's
+        doc = torch.tensor([[sum(p <= i for p in starts) for i in range(seq)] for starts in documents])
+        visible = visible & (doc[:, rows].unsqueeze(-1) == doc.unsqueeze(1)).unsqueeze(1)
     ref = _softmax_attention(q, k, v, 0.3, visible)
     ref_grads = torch.autograd.grad(ref, (q, k, v), dout.double())
-    out = block_attention(q, k, v, chunk_ids, 0.3, backend, window=window)
+    out = block_attention(q, k, v, chunk_ids, 0.3, backend, window=window, documents=documents)
     grads = torch.autograd.grad(out, (q, k, v), dout)
     errors = {name: rel_err(a, b) for name, a, b in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref, *ref_grads))}
     assert_within([[(chunk_ids, errors)]], dtype)
@@ -275,6 +301,17 @@ def test_block_attention_with_a_window_matches_the_masked_softmax(backend, dtype
     """megatron's window_size (w, 0): windows inside a chunk of 8, one that reaches one and
     two chunks back; pieces of the chunk (a mask per block) on these kernels."""
     test_block_attention_matches_softmax_attention(backend, dtype, chunk_ids, window, chunk=8)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "math"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("chunk_ids", [[0], [1, 2], [0, 3]], ids=str)
+@pytest.mark.parametrize("documents", [[[0, 3, 4, 13, 14, 22], [0, 16]], [[0, 9, 20]] * 2],
+                         ids=["per-sample", "shared"])
+def test_block_attention_within_documents_matches_the_masked_softmax(backend, dtype, chunk_ids, documents):
+    """Packed documents of 32 tokens in chunks of 8: one longer than a chunk, one of a token,
+    one starting at a chunk boundary; samples with their own documents, or the same."""
+    test_block_attention_matches_softmax_attention(backend, dtype, chunk_ids, chunk=8, documents=documents)
 
 
 class KernelCalls:
@@ -467,6 +504,8 @@ def test_flash_attn_backend_with_the_packages_signatures(flash_attn_on_cpu, dtyp
         test_block_attention_matches_softmax_attention("flash_attn", dtype, chunk_ids)
     for window in (3, 13):  # the package's own window_size, on whole chunks
         test_block_attention_matches_softmax_attention("flash_attn", dtype, [1, 2], window, chunk=8)
+    test_block_attention_matches_softmax_attention("flash_attn", dtype, [1, 2], chunk=8,
+                                                   documents=[[0, 3, 4, 13, 14, 22], [0, 16]])
     assert kernels.blocks([1, 2], 4, kernels.bottom_right("flash_attn", torch.device("cpu"), dtype)) == \
         [(0, 4, 0, 8, True), (4, 8, 0, 12, True)]
 

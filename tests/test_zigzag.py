@@ -51,9 +51,10 @@ def _pairs(blocks):
     """Every (query row, key row) a list of blocks computes, once per block that computes it
     (causal blocks are square, and so are a window's: ``left`` bounds i - j)."""
     pairs = []
-    for q0, q1, k0, k1, causal, *left in blocks:
+    for q0, q1, k0, k1, causal, *rest in blocks:
+        left = rest[0] if rest else -1
         pairs += [(i, j) for i in range(q0, q1) for j in range(k0, k1)
-                  if (not causal or j - k0 <= i - q0) and (not left or (i - q0) - (j - k0) <= left[0])]
+                  if (not causal or j - k0 <= i - q0) and (left < 0 or (i - q0) - (j - k0) <= left)]
     return pairs
 
 
@@ -115,3 +116,56 @@ def test_window_blocks_compute_each_pair_in_the_window_once(d, backend):
             pairs = [(rows[i], j) for i, j in _pairs(global_blocks)]
             assert len(pairs) == len(set(pairs))
             assert set(pairs) == {(i, j) for i in rows for j in range(max(0, i - w), i + 1)}
+
+
+# documents of 32 tokens (2D chunks of 4 at D=4): one longer than a chunk that crosses ranks' chunks, one
+# of a token, one starting at a chunk boundary, and a sample that is one document
+DOCUMENTS = [[0, 3, 4, 13, 14, 22], [0]]
+
+
+def _doc_of(starts, position):
+    return max(p for p in starts if p <= position)
+
+
+@pytest.mark.parametrize("d", [1, 2, 4])
+def test_document_blocks_compute_each_pair_of_a_document_once(d):
+    """Packed documents: every TSP rank's blocks compute, per sample, the (query, key) pairs of
+    one document with key <= query once each, and no other; every row sees itself; none
+    spans the key slots' halves, and the backward runs first every block on slots 0..D-1.
+    The global-order blocks of the baselines likewise; samples with the same documents share
+    their blocks (no sample entry)."""
+    from megatron_tsp.core.block_attention import blocks, document_blocks, zigzag_document_blocks
+
+    seq = 32
+    c = seq // (2 * d)
+    natural = [2 * d - 1 - q for q in range(d)] + list(range(d))
+
+    def expected(rows, starts):
+        return {(i, j) for i in rows for j in range(_doc_of(starts, i), i + 1)}
+
+    def by_sample(block_list, n):
+        out = {s: [] for s in range(n)}
+        for b in block_list:
+            for s in ([b[6]] if len(b) > 6 else range(n)):
+                out[s].append(b)
+        return out
+
+    for r in range(d):
+        if d == 1:
+            break
+        forward, (backward, split) = zigzag_document_blocks(d, r, c, DOCUMENTS)
+        position = {row: ch * c + row % c for row, ch in zip(range(2 * c), (r,) * c + (2 * d - 1 - r,) * c)}
+        for s, mine in by_sample(forward, len(DOCUMENTS)).items():
+            pairs = [(position[i], natural[j // c] * c + j % c) for i, j in _pairs(mine)]
+            assert len(pairs) == len(set(pairs))
+            assert set(pairs) == expected(position.values(), DOCUMENTS[s])
+        assert all(b[3] <= d * c or b[2] >= d * c for b in forward)
+        assert sorted(backward) == sorted(forward)
+        assert all(b[2] < d * c for b in backward[:split]) and all(b[2] >= d * c for b in backward[split:])
+    for chunk_ids, chunk in (([0], seq), ([1, 2], seq // 4), ([0, 3], seq // 4)):
+        rows = [g * chunk + a for g in chunk_ids for a in range(chunk)]
+        for s, mine in by_sample(blocks(chunk_ids, chunk, documents=DOCUMENTS), len(DOCUMENTS)).items():
+            pairs = [(rows[i], j) for i, j in _pairs(mine)]
+            assert len(pairs) == len(set(pairs)) and set(pairs) == expected(rows, DOCUMENTS[s])
+    shared = document_blocks([(0, 0)], seq, lambda h: h * seq, [DOCUMENTS[0]] * 2)
+    assert all(len(b) == 5 for b in shared) and len(shared) == len(DOCUMENTS[0])

@@ -53,9 +53,11 @@ from megatron_tsp.core.block_attention import (
     window_of,
     zigzag_backward_blocks,
     zigzag_blocks,
+    zigzag_document_blocks,
     zigzag_window_blocks,
 )
 from megatron_tsp.core.block_attention import blocks as global_blocks
+from megatron_tsp.core.documents import document_starts
 from megatron_tsp.core.gemm import gemm, gemm_t
 from megatron_tsp.core.kv import GatherKV, ScatterKVGrads, grad_buffer, send_buffer
 from megatron_tsp.core.parallel_state import resolve_tsp_groups
@@ -200,17 +202,21 @@ class TSPSelfAttention(SelfAttention):
         """``hidden_states``: this rank's ``[S/D, b, h]`` in zigzag order.
 
         ``attention_mask`` is not read: the mask is causal by global position, as
-        TransformerEngine does for ``AttnMaskType.causal``.
+        TransformerEngine does for ``AttnMaskType.causal``, within the packed documents of
+        ``packed_seq_params`` where given (:mod:`megatron_tsp.core.documents`).
         """
         for name, value in (("key_value_states", key_value_states),
                             ("inference_context", inference_context or inference_params),
-                            ("packed_seq_params", packed_seq_params),
                             ("attention_bias", attention_bias),
                             ("rotary_pos_cos/sin", rotary_pos_cos if rotary_pos_cos is not None else rotary_pos_sin)):
             if value is not None:
                 raise NotImplementedError(f"TSPSelfAttention: {name} is not supported")
         d_size, rank = self.tsp_group.size(), self.tsp_group.rank()
         seq_len = hidden_states.size(0) * d_size
+        documents = document_starts(packed_seq_params, hidden_states.size(1), seq_len, "TSPSelfAttention")
+        if documents is not None and self.window >= 0:
+            raise ValueError("TSPSelfAttention: packed documents (--reset-attention-mask) in a sliding-window layer "
+                             "are not implemented; drop --window-size or --reset-attention-mask")
         freqs = None
         if rotary_pos_emb is not None:
             if isinstance(rotary_pos_emb, tuple):
@@ -224,8 +230,10 @@ class TSPSelfAttention(SelfAttention):
                                   planned=is_fake(hidden_states), keys=seq_len, windowed=self.window >= 0)
         aligned = bottom_right(backend, hidden_states.device, hidden_states.dtype, planned=is_fake(hidden_states))
         if d_size == 1:
-            blocks = global_blocks([0], chunk, aligned, self.window, backend)
+            blocks = global_blocks([0], chunk, aligned, self.window, backend, documents)
             backward_blocks = (blocks, len(blocks))
+        elif documents is not None:
+            blocks, backward_blocks = zigzag_document_blocks(d_size, rank, chunk, documents)
         elif self.window >= 0:
             blocks, backward_blocks = zigzag_window_blocks(d_size, rank, chunk, self.window, backend)
         else:

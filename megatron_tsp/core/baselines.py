@@ -30,6 +30,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_tsp.core import zigzag
 from megatron_tsp.core.block_attention import block_attention, validate_backend, window_of
+from megatron_tsp.core.documents import document_starts
 from megatron_tsp.core.kv import AllGatherKV
 from megatron_tsp.core.spec import norm_spec, with_ring_mlp
 
@@ -37,7 +38,8 @@ from megatron_tsp.core.spec import norm_spec, with_ring_mlp
 class FlashDotProductAttention(MegatronModule):
     """Causal core attention for stock megatron attention, by the op TSP uses
     (:func:`megatron_tsp.core.block_attention.block_attention`), with megatron's sliding
-    window (``window_size``, ``window_attn_skip_freq``) where the layer has one.
+    window (``window_size``, ``window_attn_skip_freq``) where the layer has one, and within
+    packed documents where ``packed_seq_params`` has them (:mod:`megatron_tsp.core.documents`).
 
     Takes ``[sq, b, heads, d]`` query/key/value as ``DotProductAttention`` does and returns
     ``[sq, b, heads * d]``. Under context parallelism the local sequence is this CP rank's
@@ -85,16 +87,20 @@ class FlashDotProductAttention(MegatronModule):
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
-        if packed_seq_params is not None or attention_bias is not None:
-            raise NotImplementedError("FlashDotProductAttention: packed sequences and attention bias are not supported")
+        if attention_bias is not None:
+            raise NotImplementedError("FlashDotProductAttention: attention bias is not supported")
         chunk_ids = [0]  # the whole sequence: one causal block
         size, rank = self.cp_group.size(), self.cp_group.rank()
+        documents = document_starts(packed_seq_params, query.size(1), key.size(0) * size, "FlashDotProductAttention")
+        if documents is not None and self.window >= 0:
+            raise ValueError("FlashDotProductAttention: packed documents (--reset-attention-mask) in a sliding-window "
+                             "layer are not implemented; drop --window-size or --reset-attention-mask")
         if size > 1:
             indices = self.zigzag.get(key.size(0) * size, size, rank, key.device)
             key, value = AllGatherKV.apply(key, value, self.cp_group, indices)
             chunk_ids = zigzag.rank_chunks(size, rank)
         out = block_attention(query, key, value, chunk_ids, self.softmax_scale, self.backend, self.softmax_offset,
-                              self.window)
+                              self.window, documents)
         return out.reshape(out.size(0), out.size(1), -1)
 
 

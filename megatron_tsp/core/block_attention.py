@@ -61,7 +61,7 @@ from __future__ import annotations
 
 import inspect
 from functools import lru_cache
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -76,8 +76,22 @@ NO_WINDOW = ("cudnn", "efficient")
 
 # query rows [q0, q1), key rows [k0, k1), causal; a sliding window's blocks (:func:`window_blocks`)
 # are square and carry a sixth entry, ``left`` >= 0: row i of the block sees key j only if
-# i - j <= left (with causal, also j <= i): a band of the diagonals
+# i - j <= left (with causal, also j <= i): a band of the diagonals (-1: none); packed documents'
+# blocks (:func:`document_blocks`) a seventh, the one sample of the micro-batch they are of
 Block = Tuple[int, ...]
+
+
+class _Call(NamedTuple):
+    """A block with every entry (the op's flat form): ``left`` -1 without a band, ``sample``
+    -1 for every sample of the micro-batch."""
+
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    causal: bool
+    left: int
+    sample: int
 
 # ``auto`` on an NVIDIA GPU in fp16/bf16: cuDNN's attention from this many keys, flash below. On
 # one H200 with torch 2.11 (bench/results/gpu-check-H200-run1.md: one TSP head group, fwd+bwd)
@@ -88,12 +102,16 @@ AUTO_CUDNN_FROM_KEYS = 16384
 
 
 def blocks(chunk_ids: Sequence[int], chunk: int, bottom_right: bool = False, window: int = -1,
-           backend: str = "math") -> List[Block]:
+           backend: str = "math", documents: Optional[Sequence[Sequence[int]]] = None) -> List[Block]:
     """The kernel calls of query chunks against keys in *global order* (chunk i of the
     queries is global chunk ``chunk_ids[i]``): one causal call on the whole key prefix per
     chunk when the kernel aligns its causal mask bottom-right, else a full block (keys
     before the chunk) and a square causal block; with a sliding ``window`` (>= 0), the
-    window's blocks (:func:`window_blocks`, pieces as ``backend`` wants them)."""
+    window's blocks (:func:`window_blocks`, pieces as ``backend`` wants them); with
+    ``documents`` (each sample's document starts), :func:`document_blocks`."""
+    if documents is not None:
+        return document_blocks([(i * chunk, g) for i, g in enumerate(chunk_ids)], chunk, lambda h: h * chunk,
+                               documents)
     if window >= 0:
         piece = window_piece(chunk, window, backend)
         per = chunk // piece
@@ -209,34 +227,83 @@ def window_blocks(queries: Sequence[Tuple[int, int]], piece: int, key_row: Calla
                 out.append((row, row + piece - t, k0 + t, k0 + piece, False, 0))
             else:
                 out.append((row, row + piece, k0, k0 + piece, False, -t))
-        for b in sorted(full, key=lambda b: b[2]):
-            last = out[-1] if out else None
-            if last and len(last) == 5 and not last[4] and last[:2] == b[:2] and last[3] == b[2] and b[2] not in cuts:
-                out[-1] = (*b[:2], last[2], b[3], False)
-            else:
-                out.append(b)
+        _append_merged(out, full, cuts)
     return out
+
+
+def _append_merged(out: List[Block], full: List[Block], cuts: Sequence[int]) -> None:
+    """Append the full blocks of one query range, adjacent ones (by key rows, not across a
+    row in ``cuts``) merged into one."""
+    start = len(out)
+    for b in sorted(full, key=lambda b: b[2]):
+        last = out[-1] if len(out) > start else None
+        if last and last[:2] == b[:2] and last[3] == b[2] and b[2] not in cuts:
+            out[-1] = (*b[:2], last[2], b[3], *b[4:])
+        else:
+            out.append(b)
+
+
+def document_blocks(queries: Sequence[Tuple[int, int]], chunk: int, key_row: Callable[[int], int],
+                    starts: Sequence[Sequence[int]], cuts: Sequence[int] = ()) -> List[Block]:
+    """The kernel calls of causal attention within packed documents (Megatron-LM's
+    ``--reset-attention-mask``: a query sees the keys of its own document up to itself).
+    ``queries``: (first row, global chunk index g) of query chunks of ``chunk`` rows; the keys
+    of natural chunk h sit at rows ``key_row(h)`` ... ``+ chunk``; ``starts[s]``: where sample
+    s's documents start (sorted, 0 first). Each query chunk is cut at the document starts
+    inside it; a piece [a, b) of document d sees its own rows causally (a square block) and,
+    where d started in an earlier chunk, the keys of d there: one full block per chunk from
+    d's start, adjacent ones merged unless the key row between them is in ``cuts``. Nothing
+    outside a document is called. A block is of one sample (seventh entry) unless every
+    sample has the same documents."""
+    shared = all(list(s) == list(starts[0]) for s in starts)
+    out: List[Block] = []
+    for sample, doc_starts in ([(-1, starts[0])] if shared else list(enumerate(starts))):
+        tag = () if shared else (-1, sample)
+        for row, g in queries:
+            lo, hi = g * chunk, (g + 1) * chunk
+            bounds = [lo, *(p for p in doc_starts if lo < p < hi), hi]
+            for a, b in zip(bounds, bounds[1:]):
+                start = max(p for p in doc_starts if p <= a)
+                r0, r1 = row + a - lo, row + b - lo
+                out.append((r0, r1, key_row(g) + a - lo, key_row(g) + b - lo, True, *tag))
+                _append_merged(out, [(r0, r1, key_row(h) + max(start, h * chunk) - h * chunk, key_row(h) + chunk,
+                                      False, *tag) for h in range(start // chunk, g)], cuts)
+    return out
+
+
+def _zigzag_slot(size: int, natural: int) -> int:
+    """The key slot of natural chunk ``natural`` in the zigzag layout (:func:`zigzag_blocks`)."""
+    return size + natural if natural < size else 2 * size - 1 - natural
+
+
+def _early_first(size: int, chunk: int, forward: List[Block]) -> Tuple[List[Block], int]:
+    """The backward's order of blocks none of which spans the slots' halves: those on slots
+    0..D-1 (only the rank's chunk 2D-1-r reaches them) first, which then travel."""
+    early = [b for b in forward if b[2] < size * chunk]
+    return early + [b for b in forward if b[2] >= size * chunk], len(early)
 
 
 def zigzag_window_blocks(size: int, rank: int, chunk: int, window: int,
                          backend: str) -> Tuple[List[Block], Tuple[List[Block], int]]:
     """:func:`zigzag_blocks` and :func:`zigzag_backward_blocks` of a layer with a sliding
     ``window``: the window's blocks (:func:`window_blocks`) of the rank's two query chunks
-    against the zigzag layout, none spanning the slots' halves; the backward runs first
-    those on slots 0..D-1 (only chunk 2D-1-r reaches them), which then travel."""
+    against the zigzag layout, none spanning the slots' halves (:func:`_early_first`)."""
     d, c = size, chunk
     piece = window_piece(c, window, backend)
     per = c // piece
-
-    def key_row(h: int) -> int:
-        natural = h // per
-        slot = d + natural if natural < d else 2 * d - 1 - natural
-        return slot * c + (h % per) * piece
-
     queries = [(i * c + j * piece, g * per + j) for i, g in enumerate((rank, 2 * d - 1 - rank)) for j in range(per)]
-    forward = window_blocks(queries, piece, key_row, window, cuts=(d * c,))
-    early = [b for b in forward if b[2] < d * c]
-    return forward, (early + [b for b in forward if b[2] >= d * c], len(early))
+    forward = window_blocks(queries, piece, lambda h: _zigzag_slot(d, h // per) * c + (h % per) * piece, window,
+                            cuts=(d * c,))
+    return forward, _early_first(d, c, forward)
+
+
+def zigzag_document_blocks(size: int, rank: int, chunk: int,
+                           starts: Sequence[Sequence[int]]) -> Tuple[List[Block], Tuple[List[Block], int]]:
+    """:func:`zigzag_window_blocks` for packed documents (:func:`document_blocks`)."""
+    d, c = size, chunk
+    forward = document_blocks([(0, rank), (c, 2 * d - 1 - rank)], c, lambda h: _zigzag_slot(d, h) * c, starts,
+                              cuts=(d * c,))
+    return forward, _early_first(d, c, forward)
 
 
 def _pairs(n: int, m: int, causal: bool, left: int) -> int:
@@ -251,17 +318,28 @@ def visible_pairs_of(blocks_: Sequence[Block]) -> int:
     """(query, key) pairs the blocks compute: a full block all of its rows x keys, a causal
     one (aligned bottom-right) a row i of n sees all but the last n-1-i keys, a window's
     band (``left``) what :func:`window_blocks` says."""
-    return sum(_pairs(b[1] - b[0], b[3] - b[2], b[4], b[5] if len(b) > 5 else -1) for b in blocks_)
+    return sum(_pairs(b[1] - b[0], b[3] - b[2], b[4], b[5] if len(b) > 5 else -1) for b in blocks_)  # per sample
 
 
 def _flat(blocks_: Sequence[Block]) -> List[int]:
-    return [int(x) for b in blocks_ for x in (*b[:5], b[5] if len(b) > 5 else -1)]
+    return [int(x) for b in blocks_ for x in (*b[:5], *b[5:], *(-1,) * (7 - len(b)))]
 
 
-def _unflat(flat: Sequence[int]) -> List[Block]:
-    return [(flat[i], flat[i + 1], flat[i + 2], flat[i + 3], bool(flat[i + 4])) + ((flat[i + 5],) if flat[i + 5] >= 0
-                                                                                  else ())
-            for i in range(0, len(flat), 6)]
+def _unflat(flat: Sequence[int]) -> List[_Call]:
+    return [_Call(*flat[i:i + 4], bool(flat[i + 4]), *flat[i + 5:i + 7]) for i in range(0, len(flat), 7)]
+
+
+def _by_sample(calls: Sequence[_Call]) -> Dict[int, List[int]]:
+    """Indices of the calls of each sample (-1: of every sample), in order."""
+    out: Dict[int, List[int]] = {}
+    for i, c in enumerate(calls):
+        out.setdefault(c.sample, []).append(i)
+    return out
+
+
+def _of(t: torch.Tensor, sample: int) -> torch.Tensor:
+    """``t`` ``[b, ...]``, or its one sample (a view)."""
+    return t if sample < 0 else t[sample:sample + 1]
 
 
 # ---- backends: one block, [b, h, s, d] in, (out, lse [b, h, sq] fp32) out ---------------------
@@ -642,10 +720,10 @@ def _kernel(backend: str, q: torch.Tensor) -> Tuple[str, type]:
     return backend, _KERNELS[backend]
 
 
-def _by_query(blocks_: Sequence[Block]) -> Dict[Tuple[int, int], List[Block]]:
+def _by_query(blocks_: Sequence[_Call]) -> Dict[Tuple[int, int], List[_Call]]:
     """Blocks grouped by the query rows they merge over: a window's band that covers only
     the first rows of a piece (:func:`window_blocks`) joins the block of the whole piece."""
-    rows: Dict[Tuple[int, int], List[Block]] = {}
+    rows: Dict[Tuple[int, int], List[_Call]] = {}
     for b in sorted(blocks_, key=lambda b: b[0] - b[1]):  # widest first, stable
         whole = next((r for r in rows if r[0] <= b[0] and b[1] <= r[1]), (b[0], b[1]))
         rows.setdefault(whole, []).append(b)
@@ -660,10 +738,17 @@ def _forward_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks_flat
     rounded once as it is written into ``out`` (a block of fewer rows adds to its rows)."""
     _, kernel = _kernel(backend, q)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-    for (q0, q1), row_blocks in _by_query(_unflat(blocks_flat)).items():
-        results = [(b0 - q0, b1 - q0, *kernel.forward(q[:, :, b0:b1], k[:, :, k0:k1], v[:, :, k0:k1], causal, scale,
-                                                      *left))
-                   for b0, b1, k0, k1, causal, *left in row_blocks]
+    calls = _unflat(blocks_flat)
+    for sample, indices in _by_sample(calls).items():
+        _merge_into(kernel, *(_of(t, sample) for t in (q, k, v, out, lse)), [calls[i] for i in indices], scale)
+    return lse
+
+
+def _merge_into(kernel, q, k, v, out, lse, calls: List[_Call], scale: float) -> None:
+    for (q0, q1), row_blocks in _by_query(calls).items():
+        results = [(c.q0 - q0, c.q1 - q0, *kernel.forward(q[:, :, c.q0:c.q1], k[:, :, c.k0:c.k1], v[:, :, c.k0:c.k1],
+                                                          c.causal, scale, c.left))
+                   for c in row_blocks]
         if len(results) == 1:
             out[:, :, q0:q1].copy_(results[0][2])
             lse[:, :, q0:q1].copy_(results[0][3])
@@ -687,7 +772,6 @@ def _forward_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks_flat
         if not whole:
             out[:, :, q0:q1].copy_(acc)
         lse[:, :, q0:q1].copy_(merged)
-    return lse
 
 
 def _forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks_flat: List[int], scale: float,
@@ -708,12 +792,22 @@ def _backward_into(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     zero the key rows that no block of the whole list touches."""
     _, kernel = _kernel(backend, q)
     every = _unflat(blocks_flat)
-    keys_written = [(b[2], b[3]) for b in every[:first]]
-    rows_written = [(b[0], b[1]) for b in every[:first]]
+    for sample, indices in _by_sample(every).items():
+        views = [_of(t, sample) for t in (dout, q, k, v, out, lse, dq, dk, dv)]
+        _backward_of(kernel, *views, [every[i] for i in indices if i < first],
+                     [every[i] for i in indices if first <= i < last], [every[i] for i in indices], scale,
+                     zero_untouched)
+
+
+def _backward_of(kernel, dout, q, k, v, out, lse, dq, dk, dv, earlier: List[_Call], now: List[_Call],
+                 every: List[_Call], scale: float, zero_untouched: bool) -> None:
+    """:func:`_backward_into` of one sample's blocks (or of blocks of every sample)."""
+    keys_written = [(c.k0, c.k1) for c in earlier]
+    rows_written = [(c.q0, c.q1) for c in earlier]
     dq_parts = []
-    for q0, q1, k0, k1, causal, *left in every[first:last]:
+    for q0, q1, k0, k1, causal, left, _ in now:
         g = kernel.backward(dout[:, :, q0:q1], q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1],
-                            out[:, :, q0:q1], lse[:, :, q0:q1].contiguous(), causal, scale, *left)
+                            out[:, :, q0:q1], lse[:, :, q0:q1].contiguous(), causal, scale, left)
         dq_parts.append((q0, q1, g[0]))
         for a, b, add in _cover(keys_written, k0, k1):
             for buf, grad in ((dk, g[1]), (dv, g[2])):
@@ -721,7 +815,7 @@ def _backward_into(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
                     buf[:, :, a:b].add_(grad[:, :, a - k0:b - k0])
                 else:
                     buf[:, :, a:b].copy_(grad[:, :, a - k0:b - k0])
-    lo, hi = min(q0 for q0, _, _ in dq_parts), max(q1 for _, q1, _ in dq_parts)
+    lo, hi = min((q0 for q0, _, _ in dq_parts), default=0), max((q1 for _, q1, _ in dq_parts), default=0)
     cuts = sorted({lo, hi, *(x for q0, q1, _ in dq_parts for x in (q0, q1)),
                    *(x for a, b in rows_written for x in (a, b) if lo < x < hi)})
     for a, b in zip(cuts, cuts[1:]):
@@ -733,7 +827,7 @@ def _backward_into(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
             dq[:, :, a:b].add_(total)
         else:
             dq[:, :, a:b].copy_(total)
-    for a, b in _gaps([(b[2], b[3]) for b in every], dk.size(2)) if zero_untouched else ():
+    for a, b in _gaps([(c.k0, c.k1) for c in every], dk.size(2)) if zero_untouched else ():
         dk[:, :, a:b].zero_()
         dv[:, :, a:b].zero_()
 
@@ -799,7 +893,7 @@ def _whole_backward(dout, q, k, v, out, lse, blocks_flat, scale, backend):
     dq = torch.empty_like(q)
     dk = torch.empty_like(k, dtype=torch.float32)
     dv = torch.empty_like(v, dtype=torch.float32)
-    _block_attention_backward(dout, q, k, v, out, lse, blocks_flat, 0, len(blocks_flat) // 6, scale, backend,
+    _block_attention_backward(dout, q, k, v, out, lse, blocks_flat, 0, len(blocks_flat) // 7, scale, backend,
                               dq, dk, dv, True)
     return dq, dk.to(k.dtype), dv.to(v.dtype)
 
@@ -809,7 +903,7 @@ _block_attention.register_autograd(_backward, setup_context=_setup_context)
 
 def _flops_of(q_shape, blocks_flat) -> int:
     b, h, _, d = q_shape
-    return 2 * 2 * b * h * d * visible_pairs_of(_unflat(blocks_flat))  # QK^T and PV
+    return 2 * 2 * h * d * sum((b if c.sample < 0 else 1) * visible_pairs_of([c]) for c in _unflat(blocks_flat))
 
 
 def _flops(q_shape, k_shape, v_shape, blocks_flat, *args, out_shape=None, **kwargs) -> int:
@@ -824,7 +918,7 @@ for _op in (torch.ops.megatron_tsp.block_attention, torch.ops.megatron_tsp.block
 def _flops_backward(dout_shape, q_shape, k_shape, v_shape, out_shape_, lse_shape, blocks_flat, first, last, *args,
                     out_shape=None, **kwargs) -> int:
     # a flash backward recomputes QK^T and computes dV, dP, dQ, dK: 5 GEMMs to forward's 2
-    return _flops_of(q_shape, blocks_flat[6 * first:6 * last]) * 5 // 2
+    return _flops_of(q_shape, blocks_flat[7 * first:7 * last]) * 5 // 2
 
 
 def bhsd(*tensors):
@@ -870,17 +964,19 @@ class _SinkAttention(torch.autograd.Function):
 
 
 def block_attention(query, keys, values, chunk_ids: Sequence[int], scale: float, backend: str,
-                    sink: Optional[torch.Tensor] = None, window: int = -1) -> torch.Tensor:
+                    sink: Optional[torch.Tensor] = None, window: int = -1,
+                    documents: Optional[Sequence[Sequence[int]]] = None) -> torch.Tensor:
     """Megatron layout: query ``[sq, b, hq, d]`` (its chunks at ``chunk_ids``), keys/values
     ``[sk, b, hk, d]`` in global order, hq a multiple of hk; ``sink``: a logit per query head
-    (:func:`apply_sink`); ``window``: keys before each query it sees (-1: all). Returns
-    ``out [sq, b, hq, d]``, differentiable by the op's own backward (from the saved lse)."""
+    (:func:`apply_sink`); ``window``: keys before each query it sees (-1: all);
+    ``documents``: each sample's document starts (packed documents). Returns ``out [sq, b,
+    hq, d]``, differentiable by the op's own backward (from the saved lse)."""
     q, k, v = bhsd(query, keys, values)
     planned = is_fake(query)
     backend = resolve_backend(backend, query.device, query.dtype, planned=planned, keys=keys.size(0),
                               windowed=window >= 0)
     aligned = bottom_right(backend, query.device, query.dtype, planned=planned)
-    chunk_blocks = _flat(blocks(chunk_ids, q.size(2) // len(chunk_ids), aligned, window, backend))
+    chunk_blocks = _flat(blocks(chunk_ids, q.size(2) // len(chunk_ids), aligned, window, backend, documents))
     if sink is None:
         out, _ = _block_attention(q, k, v, chunk_blocks, float(scale), backend)
     else:

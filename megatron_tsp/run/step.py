@@ -26,6 +26,8 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_tsp.core.documents import document_params
+
 Batch = Dict[str, Optional[torch.Tensor]]
 
 
@@ -118,11 +120,17 @@ def masked_mean_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     return loss, {"lm loss": report}
 
 
-def make_forward_step(batch_transform: Optional[Callable[[Batch], Batch]] = None):
-    """A megatron ``forward_step_func`` over an iterator of batch dicts."""
+def make_forward_step(batch_transform: Optional[Callable[[Batch], Batch]] = None, documents_eod: Optional[int] = None):
+    """A megatron ``forward_step_func`` over an iterator of batch dicts; ``documents_eod``:
+    attend within the documents this token ends (packed documents, read from the tokens in
+    natural order, before ``batch_transform``: :mod:`megatron_tsp.core.documents`)."""
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
+        documents = {}
+        if documents_eod is not None:
+            documents["packed_seq_params"] = document_params(batch["tokens"], documents_eod,
+                                                             mpu.get_context_parallel_group())
         if batch_transform is not None:
             batch = batch_transform(batch)
         output = model(
@@ -130,6 +138,7 @@ def make_forward_step(batch_transform: Optional[Callable[[Batch], Batch]] = None
             batch["position_ids"],
             batch.get("attention_mask"),
             labels=batch["labels"],
+            **documents,
         )
         return output, partial(masked_mean_loss, batch["loss_mask"])
 
@@ -144,6 +153,7 @@ def train_step(
     seq_length: int,
     micro_batch_size: int,
     batch_transform: Optional[Callable[[Batch], Batch]] = None,
+    documents_eod: Optional[int] = None,
 ) -> Dict[str, float]:
     """One optimizer step over ``num_microbatches``: ``loss``, this rank's mean loss over its
     micro-batches as a tensor on the model's device (zero off the last pipeline stage; read
@@ -153,7 +163,7 @@ def train_step(
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     losses = get_forward_backward_func()(
-        forward_step_func=make_forward_step(batch_transform),
+        forward_step_func=make_forward_step(batch_transform, documents_eod),
         data_iterator=iter(microbatches),
         model=model,
         num_microbatches=num_microbatches,
