@@ -50,12 +50,32 @@ def tiny_config(**overrides) -> TransformerConfig:
     return TransformerConfig(**kwargs)
 
 
-def batches(n, seq=SEQ, micro_batch=MICRO_BATCH, vocab=VOCAB, seed=0):
-    """``n`` deterministic micro-batches; the last quarter of each sequence is masked out."""
+EOD = VOCAB - 1
+# where each sample's documents end (an EOD token), SEQ 32: documents of 3 tokens, 1, 9 (from a chunk boundary at
+# D=4, across ranks), 9 and 10; and 16 and 16 (the boundary of D=2's chunks)
+DOCUMENT_ENDS = ([2, 3, 12, 21], [15])
+
+
+def batches(n, seq=SEQ, micro_batch=MICRO_BATCH, vocab=VOCAB, seed=0, documents=False):
+    """``n`` deterministic micro-batches; the last quarter of each sequence is masked out.
+    ``documents``: packed documents ending at :data:`DOCUMENT_ENDS`, with what Megatron-LM's
+    dataset makes of them (``--reset-position-ids --reset-attention-mask --eod-mask-loss``):
+    positions restarting per document, EOD not a target, and the ``[b, 1, S, S]`` mask."""
+    from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
+
     out = []
     for i in range(n):
         batch = make_batch(micro_batch, seq, vocab, 1000 * seed + i, torch.device("cpu"))
         batch["loss_mask"][:, -seq // 4 :] = 0.0
+        if documents:
+            tokens = batch["tokens"]
+            tokens[tokens == EOD] = 0
+            for sample in range(micro_batch):
+                tokens[sample, DOCUMENT_ENDS[sample % len(DOCUMENT_ENDS)]] = EOD
+            made = [_get_ltor_masks_and_position_ids(t, EOD, True, True, True, True) for t in tokens]
+            batch["attention_mask"] = torch.stack([m for m, _, _ in made])
+            batch["loss_mask"] = batch["loss_mask"] * torch.stack([lm for _, lm, _ in made])
+            batch["position_ids"] = torch.stack([p for _, _, p in made])
         out.append(batch)
     return out
 
@@ -117,26 +137,34 @@ def setup(mode, model="modern", tsp=1, tp=1, cp=1, pp=1, recompute=None, overlap
     return chunks, optimizer, transform
 
 
-def step(chunks, optimizer, transform, global_microbatches=2, seed=0):
-    """One training step on this rank's share of a fixed global batch."""
+def step(chunks, optimizer, transform, global_microbatches=2, seed=0, documents=False, mask=False):
+    """One training step on this rank's share of a fixed global batch (``documents``: packed,
+    read from the EOD tokens; ``mask``: packed, through megatron's explicit mask)."""
     dp, dp_rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
-    mine = batches(global_microbatches, seed=seed)[dp_rank::dp]
+    mine = batches(global_microbatches, seed=seed, documents=documents or mask)[dp_rank::dp]
+    if not mask:
+        for batch in mine:
+            batch["attention_mask"] = None
     result = training.train_step(chunks, optimizer, mine, len(mine), SEQ, MICRO_BATCH,
-                                 batch_transform=transform)
+                                 batch_transform=transform, documents_eod=EOD if documents else None)
     return Step(training.global_losses([result["loss"]])[0], result["grad_norm"])
 
 
-def run(mode, model="modern", steps=3, global_microbatches=2, load=None, save=None, **setup_kwargs):
+def run(mode, model="modern", steps=3, global_microbatches=2, load=None, save=None, documents=False,
+        **setup_kwargs):
     """Train ``steps`` steps; return a :class:`Step` per step (the same on every rank).
 
-    ``load``: start from this checkpoint's weights; ``save``: checkpoint the weights first.
+    ``load``: start from this checkpoint's weights; ``save``: checkpoint the weights first;
+    ``documents``: packed documents (:func:`batches`), which the world=1 reference sees as
+    megatron's mask and every other mode as EOD tokens.
     """
     chunks, optimizer, transform = setup(mode, model, **setup_kwargs)
     if load:
         checkpointing.load(load, chunks)
     if save:
         checkpointing.save(save, chunks)
-    return [step(chunks, optimizer, transform, global_microbatches) for _ in range(steps)]
+    return [step(chunks, optimizer, transform, global_microbatches, documents=documents and (mode != "single"),
+                 mask=documents and mode == "single") for _ in range(steps)]
 
 
 def assert_history_close(actual, expected, rtol=1e-5):

@@ -141,6 +141,9 @@ def _train(corpus, *flags):
      "'tokenizer_type' (--tokenizer-type) 'GPT2BPETokenizer' is not supported"),
     (["--vocab-size", "100"], "is outside the vocabulary of 101 ids (--vocab-size 100 + end-of-document)"),
     (["--recompute-granularity", "selective", "--recompute-modules", "layernorm"], "layernorm needs TransformerEngine"),
+    # packed documents on a corpus whose documents end in another id (the built-in corpus's is 256)
+    (["--reset-attention-mask", "--vocab-size", "300"], "holds no end-of-document token (id 300), so every sequence "
+                                                        "would be one document"),
 ])
 def test_train_checks_the_job_before_starting_ranks(capsys, corpus, flags, message):
     assert message in one_line(capsys, _train(corpus, *flags))

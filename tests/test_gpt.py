@@ -101,6 +101,29 @@ def test_sliding_windows_train_like_single_process(ranks, single, windowed, mode
         assert_history_close(history, windowed)
 
 
+@pytest.fixture(scope="module")
+def packed(ranks):
+    return {model: ranks(1, run, "single", model, steps=STEPS, documents=True)[0] for model in ("modern", "classic")}
+
+
+@pytest.mark.parametrize("mode,kwargs", [("tsp", dict(tsp=2)), ("tsp", dict(tsp=4)), ("tsp", dict(tsp=2, pp=2)),
+                                         ("tsp", dict(tsp=4, model="classic")), ("tp-sp", dict(tp=2)),
+                                         ("tp-cp", dict(cp=2))],
+                         ids=["tsp2", "tsp4", "tsp2-pp2", "tsp4-learned-positions", "tp2-sp", "cp2"])
+def test_packed_documents_train_like_single_process(ranks, single, single_checkpoint, packed, mode, kwargs):
+    """Megatron-LM's --reset-attention-mask --reset-position-ids --eod-mask-loss (packed
+    documents with CP give wrong results or NaNs: TransformerEngine #1930, #2186): TSP and the
+    baselines, which read the documents from the EOD tokens, train as the world=1 stock model
+    fed the [b, 1, S, S] mask Megatron-LM's dataset builds; documents cross chunks and ranks."""
+    model = kwargs.pop("model", "modern")  # classic: learned positions, restarting per document
+    assert packed[model][0].loss != single[model][0].loss  # the documents change the model
+    if kwargs.get("pp"):
+        kwargs["load"] = single_checkpoint
+    size = kwargs.get("tsp", 1) * kwargs.get("tp", 1) * kwargs.get("cp", 1) * kwargs.get("pp", 1)
+    for history in ranks(size, run, mode, model, steps=STEPS, documents=True, **kwargs):
+        assert_history_close(history, packed[model])
+
+
 def test_tsp_and_tp_sp_loss_curves_match(ranks):
     tsp = ranks(2, run, "tsp", "modern", steps=STEPS, tsp=2)[0]
     tp_sp = ranks(2, run, "tp-sp", "modern", steps=STEPS, tp=2)[0]

@@ -114,6 +114,9 @@ ARGUMENTS: Dict[str, Arg] = {
     "tokenizer_type": Arg(str, "NullTokenizer", "tokenizer"),
     "vocab_size": Arg(int, None, "vocabulary size (NullTokenizer)"),
     "make_vocab_size_divisible_by": Arg(int, 128, "pad the vocabulary to a multiple of this (and of the TP/TSP size)"),
+    "reset_attention_mask": _b("packed documents: a token attends to its own document only (its end: the EOD token)"),
+    "reset_position_ids": _b("positions restart at every document"),
+    "eod_mask_loss": _b("no loss on the EOD token"),
     # checkpoints
     "save": Arg(str, None, "checkpoint directory to save to"),
     "load": Arg(str, None, "checkpoint directory to resume from"),
@@ -388,6 +391,8 @@ def check_combinations(ns: argparse.Namespace) -> None:
         (ns.tokenizer_type != "NullTokenizer" or ns.vocab_size, "vocab_size",
          "is required with tokenizer_type NullTokenizer"),
         (ns.window_attn_skip_freq is None or ns.window_size, "window_attn_skip_freq", "applies with window_size"),
+        (not (ns.reset_attention_mask and ns.window_size), "reset_attention_mask",
+         "with window_size is not implemented (a window within documents); drop one"),
     ]
     for ok, key, message in checks:
         if not ok:

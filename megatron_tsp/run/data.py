@@ -15,7 +15,7 @@ import math
 import os
 import random
 import sys
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import numpy
 import torch
@@ -49,13 +49,15 @@ def _sentence(rng: random.Random) -> str:
 
 
 def make_tiny_corpus(prefix: str, num_docs: int = 2000, seed: int = 0) -> str:
-    """Write ``prefix.bin``/``prefix.idx`` (bytes as token ids); return ``prefix``."""
+    """Write ``prefix.bin``/``prefix.idx`` (bytes as token ids, each document ended by the
+    end-of-document id :data:`BYTE_VOCAB`, the NullTokenizer's at ``--vocab-size 256``, as
+    Megatron-LM's ``preprocess_data.py --append-eod`` ends them); return ``prefix``."""
     os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
     rng = random.Random(seed)
     builder = IndexedDatasetBuilder(prefix + ".bin", dtype=numpy.uint16)
     for _ in range(num_docs):
         text = " ".join(_sentence(rng) for _ in range(rng.randint(3, 12)))
-        builder.add_item(torch.tensor(list(text.encode("utf-8")), dtype=torch.int64))
+        builder.add_item(torch.tensor(list(text.encode("utf-8")) + [BYTE_VOCAB], dtype=torch.int64))
         builder.end_document()
     builder.finalize(prefix + ".idx")
     return prefix
@@ -83,9 +85,10 @@ def tokenizer_for(args):
     return versions.null_tokenizer(args.vocab_size)
 
 
-def check_corpus(prefixes: List[str], vocab_size: int) -> None:
+def check_corpus(prefixes: List[str], vocab_size: int, eod: Optional[int] = None) -> None:
     """Each ``--data-path`` prefix is a complete megatron indexed dataset whose token ids are
-    below ``vocab_size``: one :class:`DataError` line otherwise. Reads the ``.bin`` once
+    below ``vocab_size`` and, where documents are packed (``eod``), that holds the
+    end-of-document token: one :class:`DataError` line otherwise. Reads the ``.bin`` once
     (memory-mapped, about a second per GB)."""
     for prefix in prefixes:
         idx, bin_ = prefix + ".idx", prefix + ".bin"
@@ -117,6 +120,10 @@ def check_corpus(prefixes: List[str], vocab_size: int) -> None:
         if largest >= vocab_size:
             raise DataError(f"{bin_}: token id {largest} is outside the vocabulary of {vocab_size} ids "
                             f"(--vocab-size {vocab_size - 1} + end-of-document); set --vocab-size {largest} or more")
+        if eod is not None and not any(bool((ids[i:i + (1 << 26)] == eod).any()) for i in range(0, tokens, 1 << 26)):
+            raise DataError(f"--reset-attention-mask: {bin_} holds no end-of-document token (id {eod}), so every "
+                            "sequence would be one document; end each document with it (Megatron-LM's "
+                            "preprocess_data.py --append-eod)")
 
 
 EPOCHS_WARNING = 5  # more passes over the training split than this, and a run says so
@@ -161,6 +168,11 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel: int) 
     return ((vocab_size + multiple - 1) // multiple) * multiple
 
 
+def documents_eod(args) -> Optional[int]:
+    """The token that ends a document where the run packs documents (``reset_attention_mask``)."""
+    return tokenizer_for(args).eod if args.reset_attention_mask else None
+
+
 def padded_vocab(args) -> int:
     """The run's vocabulary, padded (see :func:`padded_vocab_size`)."""
     return padded_vocab_size(tokenizer_for(args).vocab_size, args.make_vocab_size_divisible_by,
@@ -184,9 +196,11 @@ def build_train_dataset(args, num_samples: int, data_parallel_size: int):
         blend=None if args.mock_data else (list(args.data_path), None),
         split=args.split,
         tokenizer=tokenizer,
-        reset_position_ids=False,
-        reset_attention_mask=False,
-        eod_mask_loss=False,
+        # documents: positions and loss mask from the dataset; attention reads the EOD tokens
+        # (run.step's documents_eod), never an [S, S] mask
+        reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask,
+        eod_mask_loss=args.eod_mask_loss,
         create_attention_mask=False,
         data_parallel_size=data_parallel_size,
         path_to_cache=None,

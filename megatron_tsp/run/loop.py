@@ -259,6 +259,7 @@ def _train(args, device: Device, exits: EarlyExit, log_path: Optional[str], coll
     start = resume(args, device, path, model, optimizer, scheduler)
     dataset = data.build_train_dataset(args, args.train_iters * global_batch, dp)
     transform = modes.of(args).batch_transform(args)
+    eod = data.documents_eod(args)
     flops_per_step = flops_per_sequence_from_args(args, data.padded_vocab(args)) * global_batch
     logger = Logger(log_path, modes.of(args).name)
     record: Dict[str, Any] = {}
@@ -268,7 +269,7 @@ def _train(args, device: Device, exits: EarlyExit, log_path: Optional[str], coll
         batches = data.microbatches(dataset, iteration, num_microbatches, args.micro_batch_size, dp_rank, dp,
                                     device.torch)
         result = step.train_step(model, optimizer, batches, num_microbatches, args.seq_length,
-                                 args.micro_batch_size, batch_transform=transform)
+                                 args.micro_batch_size, batch_transform=transform, documents_eod=eod)
         done = iteration + 1
         check_grad_norm(args, done, result)
         pending.append(result["loss"])

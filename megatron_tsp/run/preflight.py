@@ -38,7 +38,7 @@ def check_run(args, world_size: int) -> Optional[int]:
                           "CPU train in fp32, or with --bf16")
     tokenizer = data.tokenizer_for(args)
     if not args.mock_data:
-        data.check_corpus(args.data_path, tokenizer.vocab_size)
+        data.check_corpus(args.data_path, tokenizer.vocab_size, data.documents_eod(args))
     if args.save:
         check_writable_dir(args.save, "--save")
         _check_save_root(args.save, args.load)
