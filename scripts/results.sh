@@ -32,6 +32,9 @@ if [[ $what == predict || $what == all ]]; then
   # one GPU per node: the TSP group's traffic crosses 400G IB (what `bench --like ib-400g` emulates)
   run megatron-tsp predict configs/7b/128k-tsp8.yaml --hardware configs/hardware/h100-ib.yaml --nodes 8 \
     --json "$out/predict-7b-128k-h100-ib-8node.json"
+  # interleaved 4K windows: what skipping the blocks out of reach does to TSP against TP+SP
+  run megatron-tsp predict configs/7b/128k-window-tsp8.yaml --hardware configs/hardware/h100.yaml --nodes 1 \
+    --json "$out/predict-7b-128k-window-h100-1node.json"
   run megatron-tsp predict configs/7b/128k-tsp8-norecompute.yaml --hardware configs/hardware/mi300x.yaml --nodes 128 \
     --modes tsp,tp-sp --sweep 4096,8192,16384,32768,65536,131072,262144 \
     --json "$out/predict-7b-sweep-norecompute-mi300x-128node.json"
@@ -45,6 +48,8 @@ if [[ $what == plan || $what == all ]]; then
   done
   run megatron-tsp plan configs/llama3-8b/128k-tsp8.yaml --hardware configs/hardware/h100.yaml --grid "$grid" \
     --out "$out/plan-llama3-8b-128k-h100"
+  run megatron-tsp plan configs/7b/128k-window-tsp8.yaml --hardware configs/hardware/h100.yaml --grid 131072,262144 \
+    --out "$out/plan-7b-128k-window-h100"
   # what fused norms change: the same plan with megatron-core's torch RMSNorm fallback
   run megatron-tsp plan configs/7b/128k-tsp8.yaml --hardware configs/hardware/h100.yaml --no-fused-norm \
     --out "$out/plan-7b-128k-h100-unfused-norm"
