@@ -56,11 +56,12 @@ EOD = VOCAB - 1
 DOCUMENT_ENDS = ([2, 3, 12, 21], [15])
 
 
-def batches(n, seq=SEQ, micro_batch=MICRO_BATCH, vocab=VOCAB, seed=0, documents=False):
+def batches(n, seq=SEQ, micro_batch=MICRO_BATCH, vocab=VOCAB, seed=0, documents=False, mask_window=None):
     """``n`` deterministic micro-batches; the last quarter of each sequence is masked out.
     ``documents``: packed documents ending at :data:`DOCUMENT_ENDS`, with what Megatron-LM's
     dataset makes of them (``--reset-position-ids --reset-attention-mask --eod-mask-loss``):
-    positions restarting per document, EOD not a target, and the ``[b, 1, S, S]`` mask."""
+    positions restarting per document, EOD not a target, and the ``[b, 1, S, S]`` mask, which
+    hides also what is more than ``mask_window`` tokens back where given."""
     from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
 
     out = []
@@ -74,6 +75,9 @@ def batches(n, seq=SEQ, micro_batch=MICRO_BATCH, vocab=VOCAB, seed=0, documents=
                 tokens[sample, DOCUMENT_ENDS[sample % len(DOCUMENT_ENDS)]] = EOD
             made = [_get_ltor_masks_and_position_ids(t, EOD, True, True, True, True) for t in tokens]
             batch["attention_mask"] = torch.stack([m for m, _, _ in made])
+            if mask_window is not None:
+                position = torch.arange(seq)
+                batch["attention_mask"] |= position.view(-1, 1) - position.view(1, -1) > mask_window
             batch["loss_mask"] = batch["loss_mask"] * torch.stack([lm for _, lm, _ in made])
             batch["position_ids"] = torch.stack([p for _, _, p in made])
         out.append(batch)
@@ -137,11 +141,11 @@ def setup(mode, model="modern", tsp=1, tp=1, cp=1, pp=1, recompute=None, overlap
     return chunks, optimizer, transform
 
 
-def step(chunks, optimizer, transform, global_microbatches=2, seed=0, documents=False, mask=False):
+def step(chunks, optimizer, transform, global_microbatches=2, seed=0, documents=False, mask=False, mask_window=None):
     """One training step on this rank's share of a fixed global batch (``documents``: packed,
     read from the EOD tokens; ``mask``: packed, through megatron's explicit mask)."""
     dp, dp_rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
-    mine = batches(global_microbatches, seed=seed, documents=documents or mask)[dp_rank::dp]
+    mine = batches(global_microbatches, seed=seed, documents=documents or mask, mask_window=mask_window)[dp_rank::dp]
     if not mask:
         for batch in mine:
             batch["attention_mask"] = None
@@ -151,12 +155,13 @@ def step(chunks, optimizer, transform, global_microbatches=2, seed=0, documents=
 
 
 def run(mode, model="modern", steps=3, global_microbatches=2, load=None, save=None, documents=False,
-        **setup_kwargs):
+        mask_window=None, **setup_kwargs):
     """Train ``steps`` steps; return a :class:`Step` per step (the same on every rank).
 
     ``load``: start from this checkpoint's weights; ``save``: checkpoint the weights first;
     ``documents``: packed documents (:func:`batches`), which the world=1 reference sees as
-    megatron's mask and every other mode as EOD tokens.
+    megatron's mask (with ``mask_window``: and a window in it) and every other mode as EOD
+    tokens.
     """
     chunks, optimizer, transform = setup(mode, model, **setup_kwargs)
     if load:
@@ -164,7 +169,7 @@ def run(mode, model="modern", steps=3, global_microbatches=2, load=None, save=No
     if save:
         checkpointing.save(save, chunks)
     return [step(chunks, optimizer, transform, global_microbatches, documents=documents and (mode != "single"),
-                 mask=documents and mode == "single") for _ in range(steps)]
+                 mask=documents and mode == "single", mask_window=mask_window) for _ in range(steps)]
 
 
 def assert_history_close(actual, expected, rtol=1e-5):

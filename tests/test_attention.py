@@ -1,5 +1,6 @@
 """TSPSelfAttention against stock megatron-core SelfAttention at world size 1."""
 
+import dataclasses
 import inspect
 import itertools
 import os
@@ -43,7 +44,7 @@ def _submodules(qk_norm, norm=WrappedTorchNorm):
 
 
 def _build(tsp_size, dtype, groups, qkv_bias, proj_bias, qk_norm, overlap=True, kv_channels=None,
-           softmax_type="vanilla", window_size=None):
+           softmax_type="vanilla", window_size=None, reference_window=True):
     """(stock reference at world 1, TSP module, solo groups), same seed and dtype. In bf16
     the TSP module runs the math backend of the attention op, whose rounding is that of the
     stock module's unfused attention: what is tested here is the TSP schedule; the flash
@@ -52,6 +53,8 @@ def _build(tsp_size, dtype, groups, qkv_bias, proj_bias, qk_norm, overlap=True, 
                                num_query_groups=groups, add_bias_linear=proj_bias, add_qkv_bias=qkv_bias,
                                qk_layernorm=qk_norm, kv_channels=kv_channels, softmax_type=softmax_type,
                                window_size=window_size)
+    if not reference_window:
+        ref_cfg = dataclasses.replace(ref_cfg, window_size=None)
     solo = solo_pg_collection()
     torch.manual_seed(0)
     ref = SelfAttention(ref_cfg, _submodules(qk_norm), layer_number=1,
@@ -109,13 +112,17 @@ def _one_case(tsp_size, dtype, groups, rope, qkv_bias, proj_bias, qk_norm, kv_ch
               window_size=None, seq=SEQ, documents=None):
     group = megatron_tsp.get_tsp_group()
     ref, tsp, solo = _build(tsp_size, dtype, groups, qkv_bias, proj_bias, qk_norm, kv_channels=kv_channels,
-                            softmax_type=softmax_type, window_size=window_size)
+                            softmax_type=softmax_type, window_size=window_size,
+                            reference_window=not (documents and window_size))
     g = torch.Generator().manual_seed(1)
     x_full = torch.randn(seq, BATCH, HIDDEN, generator=g).to(dtype)
     dy_full = torch.randn(seq, BATCH, HIDDEN, generator=g).to(dtype)
     table = rotary_table(ref.config, seq, solo.cp) if rope else None
 
     mask, packed = _documents(documents, seq) if documents else (None, None)
+    if documents and window_size:  # megatron's local attention would drop the documents' mask for the window's
+        position = torch.arange(seq)
+        mask = mask | (position.view(-1, 1) - position.view(1, -1) > window_size[0])
     x_ref = x_full.clone().requires_grad_()
     out_ref, bias_ref = ref(x_ref, mask, rotary_pos_emb=table)
     out_ref.backward(dy_full)
@@ -164,7 +171,11 @@ CASES = [
       dict(groups=4, rope=True, qkv_bias=False, proj_bias=False, qk_norm=False, seq=48,
            documents=[[0, 5, 6, 20, 33], [0, 24]]),
       dict(groups=8, rope=False, qkv_bias=True, proj_bias=True, qk_norm=False, seq=48, softmax_type="learnable",
-           documents=[[0, 18], [0, 18]])]
+           documents=[[0, 18], [0, 18]]),
+      # and a window of 7 within them (megatron's local attention drops the mask it is given for the window's,
+      # so its reference gets the window in the mask: _one_case)
+      dict(groups=4, rope=True, qkv_bias=False, proj_bias=False, qk_norm=False, seq=48, window_size=(7, 0),
+           documents=[[0, 5, 6, 20, 33], [0, 24]])]
 
 
 def _all_cases(tsp_size, dtype):
@@ -308,10 +319,12 @@ def test_block_attention_with_a_window_matches_the_masked_softmax(backend, dtype
 @pytest.mark.parametrize("chunk_ids", [[0], [1, 2], [0, 3]], ids=str)
 @pytest.mark.parametrize("documents", [[[0, 3, 4, 13, 14, 22], [0, 16]], [[0, 9, 20]] * 2],
                          ids=["per-sample", "shared"])
-def test_block_attention_within_documents_matches_the_masked_softmax(backend, dtype, chunk_ids, documents):
+@pytest.mark.parametrize("window", [-1, 5])
+def test_block_attention_within_documents_matches_the_masked_softmax(backend, dtype, chunk_ids, documents, window):
     """Packed documents of 32 tokens in chunks of 8: one longer than a chunk, one of a token,
-    one starting at a chunk boundary; samples with their own documents, or the same."""
-    test_block_attention_matches_softmax_attention(backend, dtype, chunk_ids, chunk=8, documents=documents)
+    one starting at a chunk boundary; samples with their own documents, or the same; and a
+    window of 5 keys within them (bands that are not square)."""
+    test_block_attention_matches_softmax_attention(backend, dtype, chunk_ids, window, chunk=8, documents=documents)
 
 
 class KernelCalls:
@@ -504,8 +517,9 @@ def test_flash_attn_backend_with_the_packages_signatures(flash_attn_on_cpu, dtyp
         test_block_attention_matches_softmax_attention("flash_attn", dtype, chunk_ids)
     for window in (3, 13):  # the package's own window_size, on whole chunks
         test_block_attention_matches_softmax_attention("flash_attn", dtype, [1, 2], window, chunk=8)
-    test_block_attention_matches_softmax_attention("flash_attn", dtype, [1, 2], chunk=8,
-                                                   documents=[[0, 3, 4, 13, 14, 22], [0, 16]])
+    for window in (-1, 5):
+        test_block_attention_matches_softmax_attention("flash_attn", dtype, [1, 2], window, chunk=8,
+                                                       documents=[[0, 3, 4, 13, 14, 22], [0, 16]])
     assert kernels.blocks([1, 2], 4, kernels.bottom_right("flash_attn", torch.device("cpu"), dtype)) == \
         [(0, 4, 0, 8, True), (4, 8, 0, 12, True)]
 

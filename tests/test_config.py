@@ -59,8 +59,6 @@ def test_bad_files_name_the_key(tmp_path, text, message):
     (dict(window_size="-1,0"), "'window_size' (--window-size) must be W,0 with W >= 0"),
     (dict(window_size="sixty"), "'window_size' (--window-size) must be W,0 with W >= 0"),
     (dict(window_attn_skip_freq=2), "'window_attn_skip_freq' (--window-attn-skip-freq) applies with window_size"),
-    (dict(window_size="64,0", reset_attention_mask=True), "'reset_attention_mask' (--reset-attention-mask) with "
-                                                            "window_size is not implemented"),
 ])
 def test_impossible_combinations_name_the_key(values, message):
     base = dict(mock_data=True, vocab_size=256, attention_dropout=0.0)

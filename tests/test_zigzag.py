@@ -49,12 +49,12 @@ def test_a_batch_is_checked_and_permuted_once_not_per_key_and_rank(monkeypatch):
 
 def _pairs(blocks):
     """Every (query row, key row) a list of blocks computes, once per block that computes it
-    (causal blocks are square, and so are a window's: ``left`` bounds i - j)."""
+    (causal and a window's band ``left`` aligned bottom-right)."""
     pairs = []
     for q0, q1, k0, k1, causal, *rest in blocks:
-        left = rest[0] if rest else -1
+        left, shift = (rest[0] if rest else -1), (k1 - k0) - (q1 - q0)  # causal and the band: bottom-right
         pairs += [(i, j) for i in range(q0, q1) for j in range(k0, k1)
-                  if (not causal or j - k0 <= i - q0) and (left < 0 or (i - q0) - (j - k0) <= left)]
+                  if (not causal or j - k0 <= i - q0 + shift) and (left < 0 or j - k0 >= i - q0 + shift - left)]
     return pairs
 
 
@@ -127,21 +127,23 @@ def _doc_of(starts, position):
     return max(p for p in starts if p <= position)
 
 
+@pytest.mark.parametrize("window", [-1, 0, 2, 5, 9, 40])
 @pytest.mark.parametrize("d", [1, 2, 4])
-def test_document_blocks_compute_each_pair_of_a_document_once(d):
-    """Packed documents: every TSP rank's blocks compute, per sample, the (query, key) pairs of
-    one document with key <= query once each, and no other; every row sees itself; none
+def test_document_blocks_compute_each_pair_of_a_document_once(d, window):
+    """Packed documents (with a sliding window where >= 0): every TSP rank's blocks compute,
+    per sample, the (query, key) pairs of one document with key <= query (and at most
+    ``window`` before it) once each, and no other; every row of a block sees a key; none
     spans the key slots' halves, and the backward runs first every block on slots 0..D-1.
     The global-order blocks of the baselines likewise; samples with the same documents share
     their blocks (no sample entry)."""
-    from megatron_tsp.core.block_attention import blocks, document_blocks, zigzag_document_blocks
+    from megatron_tsp.core.block_attention import blocks, document_blocks, visible_pairs_of, zigzag_document_blocks
 
     seq = 32
     c = seq // (2 * d)
     natural = [2 * d - 1 - q for q in range(d)] + list(range(d))
 
     def expected(rows, starts):
-        return {(i, j) for i in rows for j in range(_doc_of(starts, i), i + 1)}
+        return {(i, j) for i in rows for j in range(max(_doc_of(starts, i), i - window if window >= 0 else 0), i + 1)}
 
     def by_sample(block_list, n):
         out = {s: [] for s in range(n)}
@@ -153,19 +155,22 @@ def test_document_blocks_compute_each_pair_of_a_document_once(d):
     for r in range(d):
         if d == 1:
             break
-        forward, (backward, split) = zigzag_document_blocks(d, r, c, DOCUMENTS)
+        forward, (backward, split) = zigzag_document_blocks(d, r, c, DOCUMENTS, window)
         position = {row: ch * c + row % c for row, ch in zip(range(2 * c), (r,) * c + (2 * d - 1 - r,) * c)}
         for s, mine in by_sample(forward, len(DOCUMENTS)).items():
             pairs = [(position[i], natural[j // c] * c + j % c) for i, j in _pairs(mine)]
             assert len(pairs) == len(set(pairs))
             assert set(pairs) == expected(position.values(), DOCUMENTS[s])
+            assert visible_pairs_of(mine) == len(pairs)
+        for b in forward:
+            assert {i for i, _ in _pairs([b])} == set(range(b[0], b[1])), b
         assert all(b[3] <= d * c or b[2] >= d * c for b in forward)
         assert sorted(backward) == sorted(forward)
         assert all(b[2] < d * c for b in backward[:split]) and all(b[2] >= d * c for b in backward[split:])
     for chunk_ids, chunk in (([0], seq), ([1, 2], seq // 4), ([0, 3], seq // 4)):
         rows = [g * chunk + a for g in chunk_ids for a in range(chunk)]
-        for s, mine in by_sample(blocks(chunk_ids, chunk, documents=DOCUMENTS), len(DOCUMENTS)).items():
+        for s, mine in by_sample(blocks(chunk_ids, chunk, window=window, documents=DOCUMENTS), len(DOCUMENTS)).items():
             pairs = [(rows[i], j) for i, j in _pairs(mine)]
             assert len(pairs) == len(set(pairs)) and set(pairs) == expected(rows, DOCUMENTS[s])
-    shared = document_blocks([(0, 0)], seq, lambda h: h * seq, [DOCUMENTS[0]] * 2)
-    assert all(len(b) == 5 for b in shared) and len(shared) == len(DOCUMENTS[0])
+    shared = document_blocks([(0, 0)], seq, lambda h: h * seq, [DOCUMENTS[0]] * 2, window=window)
+    assert all(len(b) <= 6 for b in shared) and len(shared) == len(DOCUMENTS[0])

@@ -214,9 +214,6 @@ class TSPSelfAttention(SelfAttention):
         d_size, rank = self.tsp_group.size(), self.tsp_group.rank()
         seq_len = hidden_states.size(0) * d_size
         documents = document_starts(packed_seq_params, hidden_states.size(1), seq_len, "TSPSelfAttention")
-        if documents is not None and self.window >= 0:
-            raise ValueError("TSPSelfAttention: packed documents (--reset-attention-mask) in a sliding-window layer "
-                             "are not implemented; drop --window-size or --reset-attention-mask")
         freqs = None
         if rotary_pos_emb is not None:
             if isinstance(rotary_pos_emb, tuple):
@@ -233,7 +230,7 @@ class TSPSelfAttention(SelfAttention):
             blocks = global_blocks([0], chunk, aligned, self.window, backend, documents)
             backward_blocks = (blocks, len(blocks))
         elif documents is not None:
-            blocks, backward_blocks = zigzag_document_blocks(d_size, rank, chunk, documents)
+            blocks, backward_blocks = zigzag_document_blocks(d_size, rank, chunk, documents, self.window)
         elif self.window >= 0:
             blocks, backward_blocks = zigzag_window_blocks(d_size, rank, chunk, self.window, backend)
         else:

@@ -92,9 +92,6 @@ class FlashDotProductAttention(MegatronModule):
         chunk_ids = [0]  # the whole sequence: one causal block
         size, rank = self.cp_group.size(), self.cp_group.rank()
         documents = document_starts(packed_seq_params, query.size(1), key.size(0) * size, "FlashDotProductAttention")
-        if documents is not None and self.window >= 0:
-            raise ValueError("FlashDotProductAttention: packed documents (--reset-attention-mask) in a sliding-window "
-                             "layer are not implemented; drop --window-size or --reset-attention-mask")
         if size > 1:
             indices = self.zigzag.get(key.size(0) * size, size, rank, key.device)
             key, value = AllGatherKV.apply(key, value, self.cp_group, indices)

@@ -63,6 +63,7 @@ import inspect
 from functools import lru_cache
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
+import numpy
 import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
@@ -75,9 +76,10 @@ WINDOW_NATIVE = ("flash", "flash_attn")  # take a sliding window themselves; cpu
 NO_WINDOW = ("cudnn", "efficient")
 
 # query rows [q0, q1), key rows [k0, k1), causal; a sliding window's blocks (:func:`window_blocks`)
-# are square and carry a sixth entry, ``left`` >= 0: row i of the block sees key j only if
-# i - j <= left (with causal, also j <= i): a band of the diagonals (-1: none); packed documents'
-# blocks (:func:`document_blocks`) a seventh, the one sample of the micro-batch they are of
+# carry a sixth entry, ``left`` >= 0: row x of the block sees key y only if y >= x + (k1-k0) -
+# (q1-q0) - left (aligned bottom-right, as causal is; in a square block x - y <= left): a band of
+# the diagonals (-1: none); packed documents' blocks (:func:`document_blocks`) a seventh, the
+# one sample of the micro-batch they are of
 Block = Tuple[int, ...]
 
 
@@ -111,7 +113,7 @@ def blocks(chunk_ids: Sequence[int], chunk: int, bottom_right: bool = False, win
     ``documents`` (each sample's document starts), :func:`document_blocks`."""
     if documents is not None:
         return document_blocks([(i * chunk, g) for i, g in enumerate(chunk_ids)], chunk, lambda h: h * chunk,
-                               documents)
+                               documents, window=window)
     if window >= 0:
         piece = window_piece(chunk, window, backend)
         per = chunk // piece
@@ -244,31 +246,56 @@ def _append_merged(out: List[Block], full: List[Block], cuts: Sequence[int]) -> 
 
 
 def document_blocks(queries: Sequence[Tuple[int, int]], chunk: int, key_row: Callable[[int], int],
-                    starts: Sequence[Sequence[int]], cuts: Sequence[int] = ()) -> List[Block]:
+                    starts: Sequence[Sequence[int]], cuts: Sequence[int] = (), window: int = -1) -> List[Block]:
     """The kernel calls of causal attention within packed documents (Megatron-LM's
-    ``--reset-attention-mask``: a query sees the keys of its own document up to itself).
+    ``--reset-attention-mask``: a query sees the keys of its own document up to itself;
+    with a sliding ``window`` >= 0, only the ``window`` keys before it of them).
     ``queries``: (first row, global chunk index g) of query chunks of ``chunk`` rows; the keys
     of natural chunk h sit at rows ``key_row(h)`` ... ``+ chunk``; ``starts[s]``: where sample
     s's documents start (sorted, 0 first). Each query chunk is cut at the document starts
-    inside it; a piece [a, b) of document d sees its own rows causally (a square block) and,
-    where d started in an earlier chunk, the keys of d there: one full block per chunk from
-    d's start, adjacent ones merged unless the key row between them is in ``cuts``. Nothing
-    outside a document is called. A block is of one sample (seventh entry) unless every
-    sample has the same documents."""
+    inside it; a piece [a, b) of document d sees its own rows causally (a square block, with
+    ``left`` where the window ends inside it) and, where d started in an earlier chunk, the
+    keys of d there, nearest chunk first: a full block per chunk (adjacent ones merged unless
+    the key row between them is in ``cuts``), a band where the window's edge crosses it (rows
+    with no key and keys with no row cut off), none beyond. Nothing outside a document or a
+    window is called. A block is of one sample (seventh entry) unless every sample has the
+    same documents."""
     shared = all(list(s) == list(starts[0]) for s in starts)
     out: List[Block] = []
     for sample, doc_starts in ([(-1, starts[0])] if shared else list(enumerate(starts))):
-        tag = () if shared else (-1, sample)
         for row, g in queries:
             lo, hi = g * chunk, (g + 1) * chunk
             bounds = [lo, *(p for p in doc_starts if lo < p < hi), hi]
             for a, b in zip(bounds, bounds[1:]):
                 start = max(p for p in doc_starts if p <= a)
-                r0, r1 = row + a - lo, row + b - lo
-                out.append((r0, r1, key_row(g) + a - lo, key_row(g) + b - lo, True, *tag))
-                _append_merged(out, [(r0, r1, key_row(h) + max(start, h * chunk) - h * chunk, key_row(h) + chunk,
-                                      False, *tag) for h in range(start // chunk, g)], cuts)
+                _document_piece(out, row - lo, a, b, start, chunk, key_row(g) - lo, key_row, window, cuts, sample)
     return out
+
+
+def _document_piece(out: List[Block], row_of: int, a: int, b: int, start: int, chunk: int, own: int,
+                    key_row: Callable[[int], int], window: int, cuts: Sequence[int], sample: int) -> None:
+    """:func:`document_blocks` of the queries at positions [a, b) (rows ``row_of`` + position)
+    of a document starting at ``start``, their chunk's keys at rows ``own`` + position."""
+    tag = () if sample < 0 else (-1, sample)
+    n = b - a
+    left = window if 0 <= window < n - 1 else -1
+    out.append((row_of + a, row_of + b, own + a, own + b, True, *((left, *tag[1:]) if left >= 0 else tag)))
+    full = []
+    for h in range(a // chunk - 1, start // chunk - 1, -1):
+        k0, k1 = max(start, h * chunk), (h + 1) * chunk
+        m = k1 - k0
+        t = a - k0 - window  # in the window: key y - query x >= t (block rows and keys)
+        if window >= 0 and t > m - 1:
+            break  # out of the window, as is every earlier chunk
+        rows = (row_of + a, row_of + b)
+        keys = key_row(h) + k0 - h * chunk
+        if window < 0 or t <= 1 - n:
+            full.append((*rows, keys, keys + m, False, *tag))
+            continue
+        first = max(0, t)  # keys before it are seen by no row; rows from m - t on see no key
+        n_, m_ = min(n, m - t), m - first
+        out.append((rows[0], rows[0] + n_, keys + first, keys + m, False, m_ - n_ - min(t, 0), *tag[1:]))
+    _append_merged(out, full, cuts)
 
 
 def _zigzag_slot(size: int, natural: int) -> int:
@@ -297,21 +324,24 @@ def zigzag_window_blocks(size: int, rank: int, chunk: int, window: int,
     return forward, _early_first(d, c, forward)
 
 
-def zigzag_document_blocks(size: int, rank: int, chunk: int,
-                           starts: Sequence[Sequence[int]]) -> Tuple[List[Block], Tuple[List[Block], int]]:
-    """:func:`zigzag_window_blocks` for packed documents (:func:`document_blocks`)."""
+def zigzag_document_blocks(size: int, rank: int, chunk: int, starts: Sequence[Sequence[int]],
+                           window: int = -1) -> Tuple[List[Block], Tuple[List[Block], int]]:
+    """:func:`zigzag_window_blocks` for packed documents (:func:`document_blocks`), with a
+    sliding ``window`` where >= 0."""
     d, c = size, chunk
     forward = document_blocks([(0, rank), (c, 2 * d - 1 - rank)], c, lambda h: _zigzag_slot(d, h) * c, starts,
-                              cuts=(d * c,))
+                              cuts=(d * c,), window=window)
     return forward, _early_first(d, c, forward)
 
 
 def _pairs(n: int, m: int, causal: bool, left: int) -> int:
-    if left < 0 or left >= n - 1:
+    if left < 0 or left >= m - 1:
         return n * m - (n * (n - 1) // 2 if causal else 0)
-    if causal:  # square: row i sees min(i, left) + 1 keys
-        return left * (left + 1) // 2 + (n - left) * (left + 1)
-    return n * m - (n - 1 - left) * (n - left) // 2  # square: row i sees n - max(0, i - left)
+    # row x sees keys max(0, x + m - n - left) .. (x + m - n if causal else m - 1): both aligned bottom-right
+    x = numpy.arange(n, dtype=numpy.int64)
+    lo = numpy.maximum(0, x + m - n - left)
+    hi = numpy.minimum(m - 1, x + m - n) if causal else numpy.full(n, m - 1)
+    return int(numpy.maximum(0, hi - lo + 1).sum())
 
 
 def visible_pairs_of(blocks_: Sequence[Block]) -> int:
@@ -357,12 +387,13 @@ def _bshd(t: torch.Tensor) -> torch.Tensor:
 
 
 def _hidden(sq: int, sk: int, causal: bool, left: int, device) -> Optional[torch.Tensor]:
-    """The (query, key) pairs a block hides, ``[sq, sk]`` bool (causal aligned bottom-right;
-    a window's blocks are square); None when it hides none."""
+    """The (query, key) pairs a block hides, ``[sq, sk]`` bool (causal and the band aligned
+    bottom-right, as flash-attn's window: row x sees keys from x + sk - sq - left); None when
+    it hides none."""
     ones = torch.ones(sq, sk, dtype=torch.bool, device=device)
     hidden = ones.triu(sk - sq + 1) if causal else None
     if left >= 0:
-        band = ones.tril(-left - 1)
+        band = ones.tril(sk - sq - left - 1)
         hidden = band if hidden is None else hidden | band
     return hidden
 

@@ -391,8 +391,6 @@ def check_combinations(ns: argparse.Namespace) -> None:
         (ns.tokenizer_type != "NullTokenizer" or ns.vocab_size, "vocab_size",
          "is required with tokenizer_type NullTokenizer"),
         (ns.window_attn_skip_freq is None or ns.window_size, "window_attn_skip_freq", "applies with window_size"),
-        (not (ns.reset_attention_mask and ns.window_size), "reset_attention_mask",
-         "with window_size is not implemented (a window within documents); drop one"),
     ]
     for ok, key, message in checks:
         if not ok:
