@@ -59,6 +59,9 @@ def test_bad_files_name_the_key(tmp_path, text, message):
     (dict(window_size="-1,0"), "'window_size' (--window-size) must be W,0 with W >= 0"),
     (dict(window_size="sixty"), "'window_size' (--window-size) must be W,0 with W >= 0"),
     (dict(window_attn_skip_freq=2), "'window_attn_skip_freq' (--window-attn-skip-freq) applies with window_size"),
+    (dict(reset_attention_mask=True, transformer_engine_spec=True, tsp_size=1, tensor_model_parallel_size=2,
+          sequence_parallel=True), "'reset_attention_mask' (--reset-attention-mask) reaches the attention as the "
+                                   "documents' starts"),
 ])
 def test_impossible_combinations_name_the_key(values, message):
     base = dict(mock_data=True, vocab_size=256, attention_dropout=0.0)

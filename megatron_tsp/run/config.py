@@ -391,6 +391,9 @@ def check_combinations(ns: argparse.Namespace) -> None:
         (ns.tokenizer_type != "NullTokenizer" or ns.vocab_size, "vocab_size",
          "is required with tokenizer_type NullTokenizer"),
         (ns.window_attn_skip_freq is None or ns.window_size, "window_attn_skip_freq", "applies with window_size"),
+        (not (ns.reset_attention_mask and ns.transformer_engine_spec), "reset_attention_mask",
+         "reaches the attention as the documents' starts, which TransformerEngine's layers do not take here; drop "
+         "--transformer-engine-spec"),
     ]
     for ok, key, message in checks:
         if not ok:
