@@ -150,15 +150,17 @@ def stepper(args, device: Device, mode: Optional[Mode] = None, **build_kwargs) -
     """Build the model of ``mode`` on ``device`` and return a function that trains one
     micro-batch step on a new batch each call (seeds 0, 1, 2, ...: step n of every mode sees
     the same tokens), returning :func:`step.train_step`'s result with the loss reduced: what
-    the benchmark and the GPU check time."""
+    the benchmark and the GPU check time. Packed documents (``reset_attention_mask``) go the
+    way training sends them; random tokens hold no EOD, so each sequence is one document."""
     mode = mode or modes.of(args)
     _, model, optimizer = build(args, device, mode, **build_kwargs)
     batches = data.make_batches(args.micro_batch_size, args.seq_length, args.vocab_size, device.torch)
     transform = mode.batch_transform(args)
+    eod = data.documents_eod(args)
 
     def one_step() -> Dict:
         result = step.train_step(model, optimizer, [next(batches)], 1, args.seq_length, args.micro_batch_size,
-                                 transform)
+                                 transform, eod)
         return dict(result, loss=step.global_losses([result["loss"]])[0])
 
     return one_step
