@@ -106,6 +106,9 @@ def _ring_argv(argv: List[str]) -> List[str]:
         raise SystemExit("--spec cannot be used with --ring-mlp: the layer spec is chosen by --ring-mlp; drop --spec")
     for message in violations(_given(argv), tp, ("all", "mlp"), under="--ring-mlp"):
         raise SystemExit(message)
+    if _present(argv, "--num-experts"):  # the ring's spec has no experts either
+        rule = next(r for r in RULES if r.flag == "--num-experts")
+        raise SystemExit(rule.message(True, tp, under="--ring-mlp"))
     spec = "ring_layer_spec_qk_layernorm" if _present(argv, "--qk-layernorm") else "ring_layer_spec"
     if _value(argv, "--transformer-impl") == "local":
         spec += "_local"

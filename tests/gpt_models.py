@@ -91,19 +91,21 @@ class Step(NamedTuple):
 
 def setup(mode, model="modern", tsp=1, tp=1, cp=1, pp=1, recompute=None, overlap_grad_reduce=False,
           use_distributed_optimizer=True, block_spec=False, init=True, grad_reduce_in_fp32=False,
-          with_optimizer=True, ring_mlp=False, lookahead=1, **config_overrides):
+          with_optimizer=True, ring_mlp=False, lookahead=1, ep=None, **config_overrides):
     """Process groups (unless ``init`` is false), model (DDP-wrapped chunks), optimizer and
     batch transform for ``single`` (the world=1 reference: megatron's stock local spec) or a
     mode of ``megatron_tsp.run.modes`` (its layers and batch transform, as training builds
     them; ``block_spec=False`` gives TSP the bare layer spec Megatron-LM's ``--spec`` uses);
-    ``config_overrides`` go to the TransformerConfig. The one builder of the tests' GPT models."""
+    ``config_overrides`` go to the TransformerConfig; ``ep``: mixture-of-experts, its experts
+    over ``ep`` model-parallel ranks, each whole. The one builder of the tests' GPT models."""
     size = tsp if mode == "tsp" else tp
     ring = mode.endswith("-ring") or ring_mlp  # ring_mlp: beside context parallelism (tp-cp)
+    experts = {} if ep is None else dict(expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
     if init and mode == "tsp":
-        megatron_tsp.initialize_model_parallel(tsp_size=tsp, pipeline_model_parallel_size=pp)
+        megatron_tsp.initialize_model_parallel(tsp_size=tsp, pipeline_model_parallel_size=pp, **experts)
     elif init:
         megatron_tsp.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp,
-                                               pipeline_model_parallel_size=pp, ring_mlp=ring)
+                                               pipeline_model_parallel_size=pp, ring_mlp=ring, **experts)
     overrides, position_embedding_type = MODELS[model]
     extra = {}
     if recompute:  # "full", "selective" or "selective:mod1,mod2" (megatron's recompute_modules)
@@ -116,12 +118,12 @@ def setup(mode, model="modern", tsp=1, tp=1, cp=1, pp=1, recompute=None, overlap
     config = tiny_config(**dict(dict(overrides, **extra, tensor_model_parallel_size=size,
                                      pipeline_model_parallel_size=pp, context_parallel_size=cp,
                                      sequence_parallel=(mode == "tsp" and tsp > 1) or mode.startswith("tp-sp")
-                                     or (mode == "tp-cp" and tp > 1)), **config_overrides))
+                                     or (mode == "tp-cp" and tp > 1)), **experts, **config_overrides))
     args = SimpleNamespace(tsp_size=size if mode == "tsp" else 1, context_parallel_size=cp, qk_layernorm=False,
                            tsp_lookahead=lookahead,
                            ring_mlp=ring)
     if mode == "single":
-        spec = get_gpt_layer_local_spec(normalization=config.normalization)
+        spec = get_gpt_layer_local_spec(normalization=config.normalization, num_experts=config.num_moe_experts)
     elif mode == "tsp" and not block_spec:
         spec = megatron_tsp.get_gpt_layer_tsp_spec()
     else:

@@ -59,6 +59,18 @@ def test_bad_files_name_the_key(tmp_path, text, message):
     (dict(window_size="-1,0"), "'window_size' (--window-size) must be W,0 with W >= 0"),
     (dict(window_size="sixty"), "'window_size' (--window-size) must be W,0 with W >= 0"),
     (dict(window_attn_skip_freq=2), "'window_attn_skip_freq' (--window-attn-skip-freq) applies with window_size"),
+    # mixture-of-experts: experts folded onto the model-parallel ranks
+    (dict(tsp_size=4, num_experts=6, expert_model_parallel_size=3),
+     "'expert_model_parallel_size' (--expert-model-parallel-size) must be --tsp-size or a divisor of it"),
+    (dict(tsp_size=2, num_experts=3, expert_model_parallel_size=2),
+     "'num_experts' (--num-experts) must be divisible by expert_model_parallel_size 2"),
+    (dict(num_experts=4, moe_router_topk=5), "'moe_router_topk' (--moe-router-topk) must be at most num_experts 4"),
+    (dict(expert_model_parallel_size=2), "'expert_model_parallel_size' (--expert-model-parallel-size) applies with "
+                                         "num_experts"),
+    (dict(tensor_model_parallel_size=2, sequence_parallel=True, num_experts=4, expert_model_parallel_size=4),
+     "must divide tensor_model_parallel_size x context_parallel_size = 2"),
+    (dict(tensor_model_parallel_size=2, ring_mlp=True, sequence_parallel=True, num_experts=4),
+     "'ring_mlp' (--ring-mlp) with num_experts is not implemented"),
     (dict(reset_attention_mask=True, transformer_engine_spec=True, tsp_size=1, tensor_model_parallel_size=2,
           sequence_parallel=True), "'reset_attention_mask' (--reset-attention-mask) reaches the attention as the "
                                    "documents' starts"),

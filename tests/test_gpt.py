@@ -144,6 +144,44 @@ def test_sliding_windows_within_packed_documents_train_like_single_process(ranks
         assert_history_close(history, expected)
 
 
+# megatron-core's MoE layers (router, all-to-all dispatcher, SequentialMLP experts) with a load-balancing loss;
+# top-2 of 4 experts, and top-1 with a shared expert
+MOE = {"top2": dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64, moe_aux_loss_coeff=0.01,
+                    moe_token_dispatcher_type="alltoall"),
+       "top1-shared": dict(num_moe_experts=4, moe_router_topk=1, moe_router_pre_softmax=True, moe_ffn_hidden_size=64,
+                           moe_aux_loss_coeff=0.01,
+                           moe_shared_expert_intermediate_size=32, moe_token_dispatcher_type="alltoall")}
+
+
+@pytest.fixture(scope="module")
+def experts(ranks, tmp_path_factory):
+    """World=1 MoE models: {variant: (their initial weights, their training)}. Each expert-parallel
+    layout initialises its own experts, so every run loads the weights."""
+    out = {}
+    for name, moe in MOE.items():
+        path = str(tmp_path_factory.mktemp("moe") / name)
+        ranks(1, run, "single", "modern", steps=0, save=path, ep=1, **moe)
+        out[name] = path, ranks(1, run, "single", "modern", steps=STEPS, load=path, ep=1, **moe)[0]
+    return out
+
+
+@pytest.mark.parametrize("variant", list(MOE))
+@pytest.mark.parametrize("mode,kwargs", [("tsp", dict(tsp=2, ep=2)), ("tsp", dict(tsp=4, ep=4)),
+                                         ("tsp", dict(tsp=4, ep=2)), ("tp-sp", dict(tp=2, ep=2)),
+                                         ("tp-cp", dict(cp=2, ep=2))],
+                         ids=["tsp2-ep2", "tsp4-ep4", "tsp4-ep2", "tp2-sp-ep2", "cp2-ep2"])
+def test_moe_trains_like_single_process(ranks, experts, variant, mode, kwargs):
+    """TSP attention with megatron-core's MoE layers, the experts folded onto the TSP group
+    (each rank's 1/D of the tokens routed by all-to-all to experts held whole), trains as the
+    world=1 stock MoE model: loss and grad norm (router and load-balancing loss included) at
+    every step; the baselines fold theirs onto TP or CP ranks."""
+    path, expected = experts[variant]
+    size = kwargs.get("tsp", 1) * kwargs.get("tp", 1) * kwargs.get("cp", 1)
+    for history in ranks(size, run, mode, "modern", steps=STEPS, load=path, block_spec=True, **kwargs,
+                         **MOE[variant]):
+        assert_history_close(history, expected)
+
+
 def test_tsp_and_tp_sp_loss_curves_match(ranks):
     tsp = ranks(2, run, "tsp", "modern", steps=STEPS, tsp=2)[0]
     tp_sp = ranks(2, run, "tp-sp", "modern", steps=STEPS, tp=2)[0]

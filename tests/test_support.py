@@ -9,7 +9,8 @@ from megatron_tsp.run import config
 # a value each value or size rule refuses at --tsp-size 4 (features are refused by their flag alone)
 BAD = {"--tensor-model-parallel-size": "2", "--context-parallel-size": "2", "--attention-dropout": "0.1",
        "--num-attention-heads": "6", "--num-query-groups": "6", "--ffn-hidden-size": "6", "--seq-length": "12",
-       "--hybrid-layer-pattern": "M*-", "--window-size": "64,8"}
+       "--hybrid-layer-pattern": "M*-", "--window-size": "64,8", "--expert-model-parallel-size": "3",
+       "--expert-tensor-parallel-size": "2"}
 ARGV_RULES = [r for r in RULES if r.flag != "--sequence-parallel"]  # translate_argv adds that flag itself
 
 

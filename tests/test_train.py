@@ -250,14 +250,18 @@ DOCUMENTS = dict(reset_attention_mask=True, reset_position_ids=True, eod_mask_lo
 @pytest.mark.parametrize("flags,keys", [(["--softmax-type", "learnable"], dict(softmax_type="learnable")),
                                         (["--window-size", "64,0"], dict(window_size="64,0")),
                                         (["--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"],
-                                         DOCUMENTS)],
-                         ids=["learnable-sinks", "sliding-window", "packed-documents"])
+                                         DOCUMENTS),
+                                        (["--num-experts", "4", "--moe-router-topk", "2",
+                                          "--expert-model-parallel-size", "2"],
+                                         dict(num_experts=4, moe_router_topk=2, expert_model_parallel_size=2))],
+                         ids=["learnable-sinks", "sliding-window", "packed-documents", "moe"])
 def test_attention_variants_train_tsp_and_tp_sp_from_the_same_loss(ranks, tmp_path, uninterrupted, flags, keys):
     """`megatron-tsp train --softmax-type learnable` (megatron-core's TransformerConfig.softmax_type,
     which Megatron-LM has no flag for), `--window-size 64,0` (a sliding window of 64 keys
-    over 128 tokens) and packed documents (the built-in corpus ends each with EOD): TSP2 and
-    TP2+SP start from the same loss, and the variant changes it (the default model's first
-    loss differs)."""
+    over 128 tokens), packed documents (the built-in corpus ends each with EOD) and
+    megatron-core's MoE layers (4 experts, top-2, folded onto the 2 ranks): TSP2 and TP2+SP
+    start from the same loss, and the variant changes it (the default model's first loss
+    differs)."""
     from megatron_tsp.cli import build_parser
     from megatron_tsp.run import config
 

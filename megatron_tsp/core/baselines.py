@@ -25,14 +25,14 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_tsp.core import zigzag
 from megatron_tsp.core.block_attention import block_attention, validate_backend, window_of
 from megatron_tsp.core.documents import document_starts
 from megatron_tsp.core.kv import AllGatherKV
-from megatron_tsp.core.spec import norm_spec, with_ring_mlp
+from megatron_tsp.core.spec import norm_spec, stage_layers, with_ring_mlp
 
 
 class FlashDotProductAttention(MegatronModule):
@@ -103,11 +103,14 @@ class FlashDotProductAttention(MegatronModule):
 
 def get_gpt_layer_baseline_spec(qk_layernorm: bool = False, attention_backend: str = "auto",
                                 fused_norm: bool = True, ring_mlp: bool = False,
-                                overlap_comm: bool = True) -> ModuleSpec:
+                                overlap_comm: bool = True, num_experts: Optional[int] = None,
+                                moe_grouped_gemm: bool = False) -> ModuleSpec:
     """megatron's local spec with :class:`FlashDotProductAttention` as core attention and
     :class:`TSPNorm` norms (``fused_norm``: see :func:`megatron_tsp.core.norm.implementation`);
-    with ``ring_mlp``, TSP's ring MLP in place of the MLP (:func:`with_ring_mlp`)."""
-    spec = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm)
+    with ``ring_mlp``, TSP's ring MLP in place of the MLP (:func:`with_ring_mlp`); with
+    ``num_experts``, megatron's MoE module as the MLP."""
+    spec = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, num_experts=num_experts,
+                                    moe_grouped_gemm=moe_grouped_gemm)
     norm = norm_spec(fused_norm)
     layer, attention = spec.submodules, spec.submodules.self_attention.submodules
     layer.input_layernorm = layer.pre_mlp_layernorm = norm
@@ -122,8 +125,10 @@ def get_gpt_layer_baseline_spec(qk_layernorm: bool = False, attention_backend: s
 
 def get_gpt_block_baseline_spec(config: TransformerConfig, vp_stage: Optional[int] = None,
                                 pp_rank: Optional[int] = None, **layer_kwargs) -> TransformerBlockSubmodules:
-    """The block spec of this pipeline stage: baseline layers and a :class:`TSPNorm` final norm."""
+    """The block spec of this pipeline stage: baseline layers and a :class:`TSPNorm` final norm;
+    megatron's MoE layers where ``config.moe_layer_freq`` puts them."""
     layer = get_gpt_layer_baseline_spec(**layer_kwargs)
-    num_layers = get_num_layers_to_build(config, vp_stage, pp_rank)
-    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers,
+    moe = get_gpt_layer_baseline_spec(**layer_kwargs, num_experts=config.num_moe_experts,
+                                      moe_grouped_gemm=config.moe_grouped_gemm) if config.num_moe_experts else None
+    return TransformerBlockSubmodules(layer_specs=stage_layers(config, layer, moe, vp_stage, pp_rank),
                                       layer_norm=norm_spec(layer_kwargs.get("fused_norm", True)))

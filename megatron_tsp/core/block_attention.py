@@ -59,6 +59,7 @@ as their own ``window_size`` and ``cpu`` and ``math`` as a mask of the block (``
 
 from __future__ import annotations
 
+import bisect
 import inspect
 from functools import lru_cache
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
@@ -265,9 +266,10 @@ def document_blocks(queries: Sequence[Tuple[int, int]], chunk: int, key_row: Cal
     for sample, doc_starts in ([(-1, starts[0])] if shared else list(enumerate(starts))):
         for row, g in queries:
             lo, hi = g * chunk, (g + 1) * chunk
-            bounds = [lo, *(p for p in doc_starts if lo < p < hi), hi]
-            for a, b in zip(bounds, bounds[1:]):
-                start = max(p for p in doc_starts if p <= a)
+            first, last = bisect.bisect_right(doc_starts, lo), bisect.bisect_left(doc_starts, hi)
+            bounds = [lo, *doc_starts[first:last], hi]
+            for i, (a, b) in enumerate(zip(bounds, bounds[1:])):  # the first piece's document began at or before lo
+                start = doc_starts[first - 1] if i == 0 else a
                 _document_piece(out, row - lo, a, b, start, chunk, key_row(g) - lo, key_row, window, cuts, sample)
     return out
 
@@ -327,7 +329,14 @@ def zigzag_window_blocks(size: int, rank: int, chunk: int, window: int,
 def zigzag_document_blocks(size: int, rank: int, chunk: int, starts: Sequence[Sequence[int]],
                            window: int = -1) -> Tuple[List[Block], Tuple[List[Block], int]]:
     """:func:`zigzag_window_blocks` for packed documents (:func:`document_blocks`), with a
-    sliding ``window`` where >= 0."""
+    sliding ``window`` where >= 0: built once per micro-batch's documents, not per layer
+    (the lists returned are shared: read them, do not change them)."""
+    return _zigzag_document_blocks(size, rank, chunk, tuple(tuple(s) for s in starts), window)
+
+
+@lru_cache(maxsize=16)
+def _zigzag_document_blocks(size: int, rank: int, chunk: int, starts: Tuple[Tuple[int, ...], ...],
+                            window: int) -> Tuple[List[Block], Tuple[List[Block], int]]:
     d, c = size, chunk
     forward = document_blocks([(0, rank), (c, 2 * d - 1 - rank)], c, lambda h: _zigzag_slot(d, h) * c, starts,
                               cuts=(d * c,), window=window)
@@ -457,6 +466,14 @@ class _CPU:
             dout.contiguous(), q, k, v, out, lse, 0.0, causal, scale=scale)
 
 
+def _no_window(left: int) -> None:
+    """cuDNN's and the memory-efficient kernel have no sliding window (:func:`resolve_backend`
+    keeps window layers off them): a window's block reaching one is a mistake, said in a line."""
+    if left >= 0:
+        raise ValueError("a sliding window's block reached a kernel without a window (cudnn, efficient); use "
+                         "attention backend 'auto', 'flash' or 'flash_attn'")
+
+
 def _no_rng(device) -> Tuple[torch.Tensor, torch.Tensor]:
     """Philox seed and offset for a backward without dropout (read only with dropout)."""
     return torch.empty(2, dtype=torch.int64, device=device), torch.empty((), dtype=torch.int64, device=device)
@@ -505,6 +522,7 @@ class _CuDNN:
 
     @staticmethod
     def forward(q, k, v, causal, scale, left=-1):
+        _no_window(left)
         k, v = _repeat_kv(k, q.size(1)), _repeat_kv(v, q.size(1))
         out, lse, *_ = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False,
                                                                           scale=scale)
@@ -512,6 +530,7 @@ class _CuDNN:
 
     @staticmethod
     def backward(dout, q, k, v, out, lse, causal, scale, left=-1):
+        _no_window(left)
         kr, vr = _repeat_kv(k, q.size(1)), _repeat_kv(v, q.size(1))
         seed, offset = _no_rng(q.device)
         lse = lse.unsqueeze(-1) if _CUDNN_LSE_4D else lse
@@ -535,6 +554,7 @@ class _Efficient:
 
     @staticmethod
     def forward(q, k, v, causal, scale, left=-1):
+        _no_window(left)
         k, v = _repeat_kv(k, q.size(1)), _repeat_kv(v, q.size(1))
         out, lse, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal,
                                                                               scale=scale)
@@ -542,6 +562,7 @@ class _Efficient:
 
     @classmethod
     def backward(cls, dout, q, k, v, out, lse, causal, scale, left=-1):
+        _no_window(left)
         kr, vr = _repeat_kv(k, q.size(1)), _repeat_kv(v, q.size(1))
         lse = F.pad(lse, (0, cls._lse_rows(q.size(2)) - q.size(2))).contiguous()
         seed, offset = _no_rng(q.device)
@@ -679,6 +700,7 @@ def _cudnn_runs(device: torch.device, dtype: torch.dtype, planned: bool) -> bool
 
 
 _CHECKED: Dict[Tuple[str, str, torch.dtype], bool] = {}  # (backend, device type, dtype) -> bottom_right
+_WINDOW_CHECKED: set = set()  # (backend, device type, dtype) whose window blocks were checked
 # How torch's GPU kernels align a causal mask when sq < sk, on CUDA: its flash kernel is
 # FlashAttention-2 (bottom-right since 2.1); the memory-efficient and cuDNN kernels take
 # ``is_causal`` top-left. What the memory planner's fake tensors assume; a real device checks.
@@ -698,14 +720,16 @@ def bottom_right(backend: str, device: torch.device, dtype: torch.dtype, planned
     return planned and _ON_A_GPU.get(backend, False) and not getattr(torch.version, "hip", None)
 
 
-def check_backend(backend: str, device: torch.device, dtype: torch.dtype) -> None:
+def check_backend(backend: str, device: torch.device, dtype: torch.dtype, windowed: bool = False) -> None:
     """Once per (backend, device type, dtype): a small GQA problem with micro-batch 2 in the
     real layout (``[s, b, h, d]`` memory seen as ``[b, h, s, d]``), forward and backward with
     the lse handed back, for a square causal, a full and (where the kernel may align it
-    bottom-right) a non-square causal block, against ``math``. Records the alignment; a
-    one-line RuntimeError if the kernel's conventions are not the ones assumed here."""
+    bottom-right) a non-square causal block, against ``math``; the first time a sliding
+    window (``windowed``) runs there, also a window's blocks (a causal one, a square and a
+    non-square band). Records the alignment; a one-line RuntimeError if the kernel's
+    conventions are not the ones assumed here."""
     key = (backend, device.type, dtype)
-    if backend in ("math", "cpu") or key in _CHECKED:
+    if backend in ("math", "cpu") or (key in _CHECKED and (not windowed or key in _WINDOW_CHECKED)):
         return
     g = torch.Generator(device="cpu").manual_seed(0)
 
@@ -725,15 +749,25 @@ def check_backend(backend: str, device: torch.device, dtype: torch.dtype) -> Non
                 return name
         return None
 
-    cases = [(64, 64, True, -1), (64, 128, False, -1)]
-    if backend in WINDOW_NATIVE:  # a window's blocks: causal, and a band of diagonals
-        cases += [(64, 64, True, 16), (64, 64, False, 8)]
-    for sq, sk, causal, left in cases:
-        wrong = agrees(sq, sk, causal, left)
-        if wrong:
-            raise RuntimeError(f"attention backend {backend!r} gives a wrong {wrong} on {device.type} {dtype} "
-                               f"(causal={causal}, window {left}, {sq}x{sk}); build the model with "
-                               "attention_backend='math' or another backend")
+    def check(cases):
+        for sq, sk, causal, left in cases:
+            try:
+                wrong = agrees(sq, sk, causal, left)
+            except RuntimeError as exc:
+                if left < 0:
+                    raise
+                wrong = f"result (it refuses a window here: {str(exc).splitlines()[0]})"
+            if wrong:
+                raise RuntimeError(f"attention backend {backend!r} gives a wrong {wrong} on {device.type} {dtype} "
+                                   f"(causal={causal}, window {left}, {sq}x{sk}); build the model with "
+                                   "attention_backend='math' or another backend")
+
+    if windowed and key not in _WINDOW_CHECKED:  # a window's blocks: causal, a band, a band not square
+        check([(64, 64, True, 16), (64, 64, False, 8), (32, 64, False, 40)])
+        _WINDOW_CHECKED.add(key)
+    if key in _CHECKED:
+        return
+    check([(64, 64, True, -1), (64, 128, False, -1)])
     aligned = kernel.bottom_right
     if aligned is None:
         try:
@@ -744,10 +778,11 @@ def check_backend(backend: str, device: torch.device, dtype: torch.dtype) -> Non
 
 
 # ---- the op ----------------------------------------------------------------------------------
-def _kernel(backend: str, q: torch.Tensor) -> Tuple[str, type]:
-    backend = resolve_backend(backend, q.device, q.dtype, planned=is_fake(q))
+def _kernel(backend: str, q: torch.Tensor, calls: Sequence[_Call]) -> Tuple[str, type]:
+    windowed = any(c.left >= 0 for c in calls)
+    backend = resolve_backend(backend, q.device, q.dtype, planned=is_fake(q), windowed=windowed)
     if not is_fake(q):
-        check_backend(backend, q.device, q.dtype)
+        check_backend(backend, q.device, q.dtype, windowed)
     return backend, _KERNELS[backend]
 
 
@@ -767,9 +802,9 @@ def _forward_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks_flat
     ``out`` (any strides); returns the log-sum-exp ``[b, h, sq]`` (fp32). Blocks of the same
     query rows are merged by their lse, out = sum_j exp(l_j - lse) o_j, summed in fp32 and
     rounded once as it is written into ``out`` (a block of fewer rows adds to its rows)."""
-    _, kernel = _kernel(backend, q)
-    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     calls = _unflat(blocks_flat)
+    _, kernel = _kernel(backend, q, calls)
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     for sample, indices in _by_sample(calls).items():
         _merge_into(kernel, *(_of(t, sample) for t in (q, k, v, out, lse)), [calls[i] for i in indices], scale)
     return lse
@@ -821,8 +856,8 @@ def _backward_into(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     fp32 buffers, any strides) by key rows. Query rows with two terms in this call are
     summed by one add, rounded once; with more, in fp32, rounded once. ``zero_untouched``:
     zero the key rows that no block of the whole list touches."""
-    _, kernel = _kernel(backend, q)
     every = _unflat(blocks_flat)
+    _, kernel = _kernel(backend, q, every)
     for sample, indices in _by_sample(every).items():
         views = [_of(t, sample) for t in (dout, q, k, v, out, lse, dq, dk, dv)]
         _backward_of(kernel, *views, [every[i] for i in indices if i < first],

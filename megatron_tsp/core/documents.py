@@ -42,13 +42,19 @@ def document_starts(params: Optional[PackedSeqParams], batch: int, seq: int, whe
     a ValueError line for packed sequences of another kind (THD)."""
     if params is None:
         return None
-    if params.qkv_format != "sbhd" or params.cu_seqlens_q is None or params.cu_seqlens_q.device.type != "cpu":
-        raise ValueError(f"{where}: packed sequences are taken as megatron_tsp.core.documents.document_params "
-                         f"makes them (qkv_format 'sbhd', CPU cu_seqlens); got qkv_format {params.qkv_format!r}")
-    flat = params.cu_seqlens_q.tolist()
-    if flat[-1] != batch * seq:
-        raise ValueError(f"{where}: packed documents cover {flat[-1]} tokens, the micro-batch {batch} x {seq}")
+    cu = params.cu_seqlens_q
+    made = "packed sequences are taken as megatron_tsp.core.documents.document_params makes them"
+    if params.qkv_format != "sbhd":
+        raise ValueError(f"{where}: {made} (qkv_format 'sbhd'); got qkv_format {params.qkv_format!r}")
+    if cu is None or cu.device.type != "cpu":
+        raise ValueError(f"{where}: {made} (cu_seqlens_q on the CPU); got "
+                         f"{'none' if cu is None else 'a tensor on ' + cu.device.type}")
+    flat = cu.tolist()
     starts: List[List[int]] = [[] for _ in range(batch)]
     for p in flat[:-1]:
-        starts[p // seq].append(p % seq)
+        if 0 <= p < batch * seq:
+            starts[p // seq].append(p % seq)
+    if flat[-1] != batch * seq or flat != sorted(flat) or any(not s or s[0] != 0 for s in starts):
+        raise ValueError(f"{where}: packed documents must start at 0 of each of the micro-batch's {batch} "
+                         f"sequences of {seq}, in order, and end at {batch * seq} (got {flat[:8]}...)")
     return starts

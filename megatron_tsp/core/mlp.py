@@ -52,6 +52,9 @@ from megatron_tsp.core.prefetch import LayerChain
 from megatron_tsp.core.streaming import WeightRing, deliver_grads, linear_pair_shard, unpack
 from megatron_tsp.core.support import check_mlp_config, require
 
+_NOT_AN_EXPERT = ("TSPMLP: a mixture-of-experts layer's experts are megatron's MLPs, each whole on the rank that "
+                  "holds it (megatron_tsp.get_gpt_block_tsp_spec builds MoE layers so); TSPMLP is a dense layer's")
+
 
 class TSPMLP(MLP):
     """Drop-in for megatron's ``MLP`` under TSP, or as the ring MLP of a TP model (same
@@ -82,7 +85,11 @@ class TSPMLP(MLP):
         group, weight_group = resolve_ring_groups(group=tp_group if tp_group is not None
                                                   else getattr(pg_collection, "tsp", None))
         self.under = "--tsp-size" if is_tsp_group(group) else "--ring-mlp"
-        require("--num-experts", is_expert, group.size(), "TSPMLP", self.under)
+        if is_expert:
+            raise ValueError(_NOT_AN_EXPERT)
+        if config.num_moe_experts and self.under == "--ring-mlp":
+            raise ValueError("TSPMLP: the ring MLP in a mixture-of-experts model (--num-experts with --ring-mlp) is "
+                             "not implemented; drop one")
         require("--mtp-num-layers", is_mtp_layer, group.size(), "TSPMLP", self.under)
         ffn_hidden_size = ffn_hidden_size or config.ffn_hidden_size
         check_mlp_config(config, group.size(), ffn_hidden_size, self.under)
@@ -129,7 +136,8 @@ class TSPMLP(MLP):
 
     def forward(self, hidden_states: torch.Tensor, per_token_scale=None, **kwargs
                 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        require("--num-experts", per_token_scale is not None, self.tsp_group.size(), "TSPMLP", self.under)
+        if per_token_scale is not None:
+            raise ValueError(_NOT_AN_EXPERT)
         args = MLPScheduleArgs(self.weight_group, self.activation, self.config.hidden_size,
                                has_bias=self.linear_fc1.bias is not None, overlap=self.overlap_comm,
                                chain=self.chain, module=self, activation_grad=self.activation_grad())

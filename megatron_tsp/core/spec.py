@@ -7,10 +7,12 @@ a TSP checkpoint and a TP(+SP) checkpoint of the same model hold the same tensor
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
-from typing import Optional
+from typing import List, Optional
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.attention import SelfAttentionSubmodules
 from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -18,7 +20,11 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+    get_transformer_layer_offset,
+)
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
@@ -111,15 +117,50 @@ def get_gpt_block_tsp_spec(
     pp_rank: Optional[int] = None,
     **layer_kwargs,
 ) -> TransformerBlockSubmodules:
-    """The block spec for this pipeline stage: TSP layers and a TSP final norm.
+    """The block spec for this pipeline stage: TSP layers and a TSP final norm; with
+    mixture-of-experts (``config.num_moe_experts``), megatron's MoE module in the layers
+    ``moe_layer_freq`` names (:func:`with_moe`).
 
     Prefer it to a bare layer spec on GPUs without TransformerEngine or apex, where
     megatron's default final norm (torch) refuses sequence parallelism.
     """
     layer = get_gpt_layer_tsp_spec(**layer_kwargs)
-    num_layers = get_num_layers_to_build(config, vp_stage, pp_rank)
-    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers,
+    return TransformerBlockSubmodules(layer_specs=stage_layers(config, layer, with_moe(layer, config), vp_stage,
+                                                               pp_rank),
                                       layer_norm=norm_spec(layer_kwargs.get("fused_norm", True)))
+
+
+def moe_layers(config: TransformerConfig) -> List[bool]:
+    """Which of the model's layers are mixture-of-experts layers: megatron's ``moe_layer_freq``
+    (every N-th from the first, or a list of 0/1), none without experts."""
+    if not config.num_moe_experts:
+        return [False] * config.num_layers
+    freq = config.moe_layer_freq
+    pattern = [i % freq == 0 for i in range(config.num_layers)] if isinstance(freq, int) else [bool(x) for x in freq]
+    if len(pattern) != config.num_layers:
+        raise ValueError(f"--moe-layer-freq names {len(pattern)} layers, the model has {config.num_layers}")
+    return pattern
+
+
+def stage_layers(config: TransformerConfig, dense: ModuleSpec, moe: Optional[ModuleSpec], vp_stage: Optional[int],
+                 pp_rank: Optional[int]) -> List[ModuleSpec]:
+    """The layer specs of this pipeline stage: ``moe`` where :func:`moe_layers` says, else ``dense``."""
+    offset = get_transformer_layer_offset(config, vp_stage, pp_rank)
+    pattern = moe_layers(config)
+    return [moe if pattern[offset + i] else dense for i in range(get_num_layers_to_build(config, vp_stage, pp_rank))]
+
+
+def with_moe(layer_spec: ModuleSpec, config: TransformerConfig) -> Optional[ModuleSpec]:
+    """``layer_spec`` with megatron's MoE module (router, token dispatcher, experts: its local
+    spec's) as the MLP; None without experts. The layer's other modules are the same objects
+    (a TSP layer spec's index cache and layer chain stay one per model). Under TSP the MoE
+    layer takes this rank's 1/D of the tokens and its experts are folded onto the TSP group
+    (``expert_model_parallel_size`` D or a divisor, ``expert_tensor_parallel_size`` 1)."""
+    if not config.num_moe_experts:
+        return None
+    moe = get_gpt_layer_local_spec(num_experts=config.num_moe_experts,
+                                   moe_grouped_gemm=config.moe_grouped_gemm).submodules.mlp
+    return dataclasses.replace(layer_spec, submodules=dataclasses.replace(layer_spec.submodules, mlp=moe))
 
 
 def with_ring_mlp(layer_spec: ModuleSpec, fused_norm: bool = True, overlap_comm: bool = True) -> ModuleSpec:

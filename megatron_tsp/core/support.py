@@ -35,7 +35,8 @@ class Rule:
     key (None: not on the config). ``layer``: what it concerns (``layout``: TSP's place among
     the parallel dimensions; ``all``, ``attention``, ``mlp``: the TSP layers; ``launch``: only
     the command line has it; the ring MLP in a TP model reads ``all`` and ``mlp``). ``type``:
-    how a command-line value reads."""
+    how a command-line value reads. ``moe``: the setting concerns mixture-of-experts layers,
+    and a model without experts is not held to it."""
 
     flag: str
     why: str
@@ -46,6 +47,7 @@ class Rule:
     attr: Optional[str] = ""
     layer: str = "all"
     type: Callable[[str], Any] = int
+    moe: bool = False
 
     @property
     def feature(self) -> bool:
@@ -132,8 +134,13 @@ RULES: List[Rule] = [
           "choose an ffn size that is a multiple of D", layer="mlp"),
     _size("--seq-length", 2, "the zigzag layout gives every rank two chunks", "use a multiple of 2 x the TSP size",
           attr=None, layer="layout"),
+    # mixture-of-experts: megatron's MoE layers with their experts folded onto the TSP group
+    _value("--expert-model-parallel-size", "--tsp-size or a divisor of it", lambda v, d: v is None or d % v == 0,
+           "the experts are sharded over the TSP group, whose ranks hold the MoE layer's tokens", layer="layout",
+           moe=True),
+    _value("--expert-tensor-parallel-size", "1", lambda v, d: v in (None, 1),
+           "each expert is whole on the rank that holds it, the tokens travel to it", layer="layout", moe=True),
     # features TSP does not implement
-    _feature("--num-experts", "mixture-of-experts is not implemented", attr="num_moe_experts"),
     _feature("--multi-latent-attention", "multi-latent attention is not implemented"),
     _feature("--mtp-num-layers", "multi-token prediction is not implemented"),
     _feature("--fp8-format", "fp8 is not implemented", attr="fp8"),
@@ -154,6 +161,9 @@ RULES: List[Rule] = [
     _feature("--use-legacy-models", "TSP needs megatron-core models", "drop --use-legacy-models", attr=None,
              layer="launch"),
     _feature("--sft", "packed (THD) sequences are not implemented", "drop --sft", attr=None, layer="launch"),
+    # pretrain_gpt.py builds every layer from --spec, TSP's dense one (or the ring's): its MoE layers would be dense
+    _feature("--num-experts", "pretrain_gpt.py builds every layer from the layer spec --spec names, which has no "
+             "experts", "train it with megatron-tsp train, or drop --num-experts", attr=None, layer="launch"),
     # pretrain_gpt.py hands the model the dataset's [b, 1, S, S] document mask, which TSP's attention does not
     # read: documents would attend across their boundaries. megatron-tsp train reads them from the EOD tokens.
     _feature("--reset-attention-mask", "pretrain_gpt.py hands TSP packed documents as an [S, S] mask, which it does "
@@ -179,6 +189,8 @@ CONFIG_IMPLEMENTED = frozenset({
     "params_dtype", "fp16", "bf16", "init_method", "output_layer_init_method", "init_method_std",
     "embedding_init_method", "embedding_init_method_std", "perform_initialization", "use_cpu_initialization",
     "calculate_per_token_loss", "softmax_type", "window_attn_skip_freq",
+    # megatron's MoE layers, which TSP runs as they are (their moe_* settings: CONFIG_NEUTRAL_PREFIXES)
+    "num_moe_experts",
 })
 CONFIG_NEUTRAL = frozenset({
     # how the math runs, not what it is: fusions, kernels, recompute, offloading, graphs, logging
@@ -277,9 +289,11 @@ def _check_config(config: TransformerConfig, tsp_size: int, module: str, layers,
         raise ValueError(
             f"{module}: TransformerConfig.tensor_model_parallel_size={config.tensor_model_parallel_size} "
             f"must equal the size of its group, {tsp_size} (TSP and the ring MLP occupy the tensor-parallel slot)")
+    moe = bool(getattr(config, "num_moe_experts", None))
     settings = {rule.flag: values[rule.key] if rule.key in values else getattr(config, rule.config_attr())
                 for rule in RULES
-                if rule.key in values or (rule.config_attr() is not None and hasattr(config, rule.config_attr()))}
+                if (moe or not rule.moe)
+                and (rule.key in values or (rule.config_attr() is not None and hasattr(config, rule.config_attr())))}
     for message in violations(settings, tsp_size, layers, under=under):
         raise ValueError(f"{module}: {message}")
     for name, value, default in unlisted_settings(config):

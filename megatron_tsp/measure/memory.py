@@ -197,6 +197,9 @@ def plan(values: Dict, mode: str, world_size: Optional[int] = None, cp: int = DE
     functions, every collective checked to move GPU tensors) and needs a CUDA runtime, real
     or the tests' stand-in. ``fused_norm``: see :func:`megatron_tsp.core.norm.implementation`."""
     mode = get_mode(mode)
+    if values.get("num_experts"):  # the dispatcher's all-to-all sizes are the router's, known only with real data
+        raise cfg.ConfigError("'num_experts' (--num-experts): the planner does not plan mixture-of-experts models "
+                              "(how many tokens each expert gets is decided by the data); plan the dense model")
     # Built where it runs: FakeTensorMode cannot move a module between devices, and where the
     # weights were initialised does not change the step's memory.
     args = mode.args(dict(values, use_cpu_initialization=False), cp)
@@ -308,20 +311,24 @@ def planned_layers(values: Dict) -> Tuple[int, int]:
     added is one that is not recomputed). Not 1: a one-layer model's peak can fall at
     another point of the step than a deeper one's, and a line through 1 and 2 layers then
     has the wrong slope (the 7B's ring MLP at 128K with full recompute: +1.7 GiB at 32
-    layers). Sliding windows with ``window_attn_skip_freq`` p (every p-th layer global):
-    the units and the step between the counts are whole periods of p layers (a unit of u
-    layers: u and 2u with u = lcm(p, k) >= 2; block recompute: k+p and k+2p)."""
+    layers). Sliding windows with ``window_attn_skip_freq`` p (every p-th layer global): the
+    step between the counts is a whole period (units of u = lcm(p, k) layers), and the first
+    count leaves the model's layers a whole number of steps beyond it (2u and 3u where u
+    divides them; block recompute from k+1 on), so the line meets the model's own pattern."""
     k = values.get("recompute_num_layers") or 1
     period = window_period(values)
+    layers = values.get("num_layers")
     full = values.get("recompute_granularity") == "full"
-    if full and values.get("recompute_method") == "block" and k < values.get("num_layers", k + 1):
+    if full and values.get("recompute_method") == "block" and k < (layers or k + 1):
         if period > 1:
-            return k + period, k + 2 * period
+            low = k + 1 + (layers - k - 1) % period
+            return low, low + period
         return max(2, k + 1), max(2, k + 1) + 1
     unit = k if full and values.get("recompute_method") == "uniform" else 1
     if period > 1:
-        unit = max(2, math.lcm(unit, period))
-        return unit, 2 * unit
+        unit = math.lcm(unit, period)
+        low = 2 * unit + (layers - 2 * unit) % unit if layers else 2 * unit
+        return low, low + unit
     return 2 * unit, 3 * unit
 
 

@@ -18,7 +18,7 @@ from megatron_tsp.core.sizes import ParallelSizes
 from megatron_tsp.core.support import window_pair
 from megatron_tsp.device import Device
 from megatron_tsp.run import data, modes, step
-from megatron_tsp.run.compat import enable_cpu_support
+from megatron_tsp.run.compat import enable_cpu_support, fix_moe_without_transformer_engine
 from megatron_tsp.run.modes import Mode
 
 
@@ -59,6 +59,7 @@ def transformer_config(args, device: Device) -> TransformerConfig:
         softmax_type=args.softmax_type,
         window_size=window_pair(args.window_size),
         window_attn_skip_freq=args.window_attn_skip_freq,
+        **moe_config(args),
         hidden_dropout=args.hidden_dropout,
         init_method_std=args.init_method_std,
         layernorm_epsilon=args.norm_epsilon,
@@ -73,6 +74,20 @@ def transformer_config(args, device: Device) -> TransformerConfig:
     )
 
 
+def moe_config(args) -> Dict[str, Any]:
+    """The ``TransformerConfig`` fields of megatron-core's MoE layers (none without experts):
+    experts folded onto the model-parallel ranks, each whole on its rank (ETP 1), tokens
+    moved to them by ``moe_token_dispatcher_type``."""
+    if not args.num_experts:
+        return {}
+    return dict(num_moe_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
+                moe_ffn_hidden_size=args.moe_ffn_hidden_size or args.ffn_hidden_size,
+                moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+                moe_layer_freq=args.moe_layer_freq, moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+                moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+                expert_model_parallel_size=args.expert_model_parallel_size, expert_tensor_parallel_size=1)
+
+
 def model_args(args) -> Dict[str, Any]:
     """The arguments that decide the model's parameters and their shapes (not how it is split
     or trained): saved with a checkpoint and compared at load."""
@@ -83,6 +98,8 @@ def model_args(args) -> Dict[str, Any]:
         keys.append("max_position_embeddings")
     if args.softmax_type != "vanilla":  # learnable: one more parameter; both: other math
         keys.append("softmax_type")
+    if args.num_experts:  # the experts' parameters
+        keys += ["num_experts", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_layer_freq"]
     out = {key: getattr(args, key) for key in keys}
     out["padded_vocab_size"] = data.padded_vocab(args)
     return out
@@ -94,6 +111,8 @@ def initialize(args, device: Device, seed: bool = True, **megatron_kwargs) -> No
     shims first (:mod:`compat`)."""
     if not device.is_gpu:
         enable_cpu_support()
+    if args.num_experts:
+        fix_moe_without_transformer_engine()
     initialize_model_parallel(
         tsp_size=args.tsp_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
@@ -101,6 +120,8 @@ def initialize(args, device: Device, seed: bool = True, **megatron_kwargs) -> No
         context_parallel_size=args.context_parallel_size,
         ring_mlp=args.ring_mlp,
         device=device.torch,
+        **({"expert_model_parallel_size": args.expert_model_parallel_size, "expert_tensor_parallel_size": 1}
+           if args.num_experts else {}),
         **megatron_kwargs,
     )
     if seed:

@@ -20,7 +20,9 @@ generator a state belongs to, never a value.
 
 Apart from those, :func:`fix_optimizer_checkpoints` corrects two faults of megatron-core's
 distributed optimizer checkpoints on every device (:data:`BUCKET_SHIMS`,
-:data:`TORCH_ADAM_SHIMS`): checkpointing applies it before it saves or loads optimizer state.
+:data:`TORCH_ADAM_SHIMS`): checkpointing applies it before it saves or loads optimizer state;
+and :func:`fix_moe_without_transformer_engine` a fault of megatron-core 0.16's MoE router
+without TransformerEngine, on every device.
 """
 
 from __future__ import annotations
@@ -303,6 +305,40 @@ def fix_optimizer_checkpoints() -> None:
         _CHECKPOINTS_FIXED = True
 
 
+# What megatron-core 0.16.1's moe_utils imports from TransformerEngine and, without it, leaves
+# undefined: its router reads ``te_general_gemm is not None`` (a NameError; 0.19 sets them None).
+_MOE_TE_NAMES = ("fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss", "fused_permute",
+                 "fused_permute_and_pad_with_probs", "fused_permute_with_probs", "fused_sort_chunks_by_index",
+                 "fused_sort_chunks_by_index_with_probs", "fused_topk_with_score_function", "fused_unpermute",
+                 "te_general_gemm")
+
+
+def fix_moe_without_transformer_engine() -> None:
+    """megatron-core's MoE layers where TransformerEngine is not installed (0.16.1): the names
+    its moe_utils takes from TransformerEngine are None, as 0.19 makes them. Idempotent;
+    every device."""
+    from megatron.core.transformer.moe import moe_utils
+
+    for name in _MOE_TE_NAMES:
+        if not hasattr(moe_utils, name):
+            setattr(moe_utils, name, None)
+
+
+def _cpu_all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None,
+                           async_op=False):
+    """torch's ``all_to_all_single`` with the split sizes megatron's MoE token dispatcher hands
+    it on the CPU: CPU tensors, which it moves to NumPy only from a GPU (the binding takes
+    sequences of ints)."""
+    def ints(sizes):
+        return None if sizes is None else [int(s) for s in sizes]
+
+    return _ALL_TO_ALL_SINGLE(output, input, ints(output_split_sizes), ints(input_split_sizes), group=group,
+                              async_op=async_op)
+
+
+_ALL_TO_ALL_SINGLE = torch.distributed.all_to_all_single
+
+
 def _cpu_get_rng_state(device=-1, clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
     return torch.get_rng_state()
 
@@ -333,10 +369,24 @@ class CPUStream:
         pass
 
     def record_event(self, event=None):
-        return event
+        return event if event is not None else CPUEvent()
 
     def synchronize(self) -> None:
         pass
+
+
+class CPUEvent:
+    """Stands in for a recorded ``torch.cuda.Event`` on the CPU: the work before it is done
+    (megatron's MoE token dispatcher synchronizes on one)."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
 
 
 def _cpu_current_stream(device=None) -> CPUStream:
@@ -410,6 +460,9 @@ def enable_cpu_support() -> None:
     torch.cuda.Stream = CPUStream
     torch.cuda.current_stream = _cpu_current_stream
     torch.cuda.stream = _cpu_stream
+    # transformer/moe/token_dispatcher.py:899 passes the split sizes as CPU tensors here
+    torch.distributed.all_to_all_single = _cpu_all_to_all_single
+    fix_moe_without_transformer_engine()
     _patch_rng()
     _patch_torch_norm()
     for shim in SHIMS:
@@ -422,4 +475,4 @@ def cpu_support_enabled() -> bool:
 
 
 __all__: List[str] = ["enable_cpu_support", "cpu_support_enabled", "fix_optimizer_checkpoints",
-                      "SHIMS", "TORCH_ADAM_SHIMS", "BUCKET_SHIMS"]
+                      "fix_moe_without_transformer_engine", "SHIMS", "TORCH_ADAM_SHIMS", "BUCKET_SHIMS"]

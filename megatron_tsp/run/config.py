@@ -62,6 +62,16 @@ ARGUMENTS: Dict[str, Arg] = {
                                   "(megatron-core's window_size)", comma=True),
     "window_attn_skip_freq": Arg(int, None, "with window_size: every N-th layer attends to every earlier key"),
     "untie_embeddings_and_output_weights": _b("separate output layer weights"),
+    # mixture-of-experts (megatron-core's MoE layers; experts folded onto the model-parallel ranks, each whole)
+    "num_experts": Arg(int, None, "experts per MoE layer (megatron-core's MoE layers)"),
+    "moe_router_topk": Arg(int, 2, "experts each token is routed to"),
+    "moe_ffn_hidden_size": Arg(int, None, "an expert's MLP hidden size (default ffn_hidden_size)"),
+    "moe_shared_expert_intermediate_size": Arg(int, None, "the shared experts' MLP hidden size (none by default)"),
+    "moe_layer_freq": Arg(int, 1, "every N-th layer is an MoE layer, from the first"),
+    "moe_aux_loss_coeff": Arg(float, 0.0, "load-balancing loss coefficient"),
+    "moe_token_dispatcher_type": Arg(str, "alltoall", "how tokens reach their experts: alltoall or allgather"),
+    "expert_model_parallel_size": Arg(int, 1, "ranks the experts are sharded over (a divisor of the TSP size, or of "
+                                              "TP x CP: folded onto the model-parallel ranks)"),
     "attention_dropout": Arg(float, 0.1, "attention dropout (TSP needs 0)"),
     "hidden_dropout": Arg(float, 0.1, "hidden dropout"),
     "init_method_std": Arg(float, 0.02, "weight init std"),
@@ -270,12 +280,14 @@ def resolve(values: Dict[str, Any]) -> argparse.Namespace:
 POSITIVE_INTS = (
     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
     "seq_length", "max_position_embeddings", "rotary_base", "tsp_size", "tensor_model_parallel_size",
+    "num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_layer_freq",
+    "expert_model_parallel_size",
     "context_parallel_size", "pipeline_model_parallel_size", "micro_batch_size", "global_batch_size",
     "train_iters", "lr_decay_iters", "recompute_num_layers", "log_interval", "vocab_size",
     "make_vocab_size_divisible_by", "save_interval", "exit_duration_in_mins", "exit_interval", "ddp_bucket_size",
     "window_attn_skip_freq",
 )
-NON_NEGATIVE = ("lr", "min_lr", "lr_warmup_iters", "weight_decay", "clip_grad", "seed")
+NON_NEGATIVE = ("lr", "min_lr", "lr_warmup_iters", "weight_decay", "clip_grad", "seed", "moe_aux_loss_coeff")
 POSITIVE_FLOATS = ("init_method_std", "norm_epsilon")
 FRACTIONS = ("attention_dropout", "hidden_dropout", "adam_beta1", "adam_beta2")  # in [0, 1)
 MAX_SEED = 2**31
@@ -283,6 +295,7 @@ RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm")  # megatron's, for dense G
 CHOICES = {
     "position_embedding_type": ("rope", "learned_absolute"),
     "softmax_type": ("vanilla", "off-by-one", "learnable"),
+    "moe_token_dispatcher_type": ("alltoall", "allgather"),
     "normalization": ("LayerNorm", "RMSNorm"),
     "lr_decay_style": ("constant", "linear", "cosine", "inverse-square-root"),
     "recompute_granularity": (None, "full", "selective"),
@@ -391,6 +404,18 @@ def check_combinations(ns: argparse.Namespace) -> None:
         (ns.tokenizer_type != "NullTokenizer" or ns.vocab_size, "vocab_size",
          "is required with tokenizer_type NullTokenizer"),
         (ns.window_attn_skip_freq is None or ns.window_size, "window_attn_skip_freq", "applies with window_size"),
+        (ns.num_experts is None or ns.moe_router_topk <= ns.num_experts, "moe_router_topk",
+         f"must be at most num_experts {ns.num_experts}"),
+        (ns.num_experts is None or ns.num_experts % ns.expert_model_parallel_size == 0, "num_experts",
+         f"must be divisible by expert_model_parallel_size {ns.expert_model_parallel_size}"),
+        (ns.expert_model_parallel_size == 1 or ns.num_experts, "expert_model_parallel_size",
+         "applies with num_experts"),
+        (layout.tsp > 1 or (layout.tp * layout.cp) % ns.expert_model_parallel_size == 0, "expert_model_parallel_size",
+         f"must divide tensor_model_parallel_size x context_parallel_size = {layout.tp * layout.cp} (the experts "
+         "are folded onto the model-parallel ranks)"),
+        (not (ns.num_experts and ns.ring_mlp), "ring_mlp", "with num_experts is not implemented; drop one"),
+        (not (ns.num_experts and ns.transformer_engine_spec), "transformer_engine_spec",
+         "with num_experts is not implemented here (its layers would be dense); drop it"),
         (not (ns.reset_attention_mask and ns.transformer_engine_spec), "reset_attention_mask",
          "reaches the attention as the documents' starts, which TransformerEngine's layers do not take here; drop "
          "--transformer-engine-spec"),
