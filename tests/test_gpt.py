@@ -194,7 +194,9 @@ def _build_errors():
     megatron_tsp.initialize_model_parallel(tsp_size=4)
     messages = []
     for overrides in (dict(sequence_parallel=False), dict(attention_dropout=0.1),
-                      dict(ffn_hidden_size=130), dict(num_query_groups=2)):
+                      dict(ffn_hidden_size=130), dict(num_query_groups=2),
+                      dict(num_moe_experts=4, expert_model_parallel_size=4, expert_tensor_parallel_size=1),
+                      dict(num_moe_experts=4, expert_model_parallel_size=4, add_bias_linear=False)):
         try:
             setup("tsp", "classic", tsp=4, init=False, **overrides)
         except ValueError as exc:
@@ -210,3 +212,6 @@ def test_unsupported_models_fail_at_build(ranks):
     assert "set --attention-dropout 0" in messages[1]
     assert "--ffn-hidden-size 130 is not divisible by --tsp-size 4" in messages[2]
     assert "--num-query-groups 2 is not divisible by --tsp-size 4" in messages[3]
+    # MoE through the bare layer spec would have built dense layers; experts split within a rank
+    assert "build it with megatron_tsp.get_gpt_block_tsp_spec" in messages[4]
+    assert "--expert-tensor-parallel-size must be 1 with --tsp-size 4 (got 4)" in messages[5]

@@ -87,6 +87,12 @@ class TSPMLP(MLP):
         self.under = "--tsp-size" if is_tsp_group(group) else "--ring-mlp"
         if is_expert:
             raise ValueError(_NOT_AN_EXPERT)
+        freq = config.moe_layer_freq
+        if config.num_moe_experts and self.under == "--tsp-size" and (freq == 1 or (isinstance(freq, list)
+                                                                                 and all(freq))):
+            raise ValueError("TSPMLP: every layer of this model is a mixture-of-experts layer (--num-experts, "
+                             "--moe-layer-freq); build it with megatron_tsp.get_gpt_block_tsp_spec, which puts "
+                             "megatron's MoE module there")
         if config.num_moe_experts and self.under == "--ring-mlp":
             raise ValueError("TSPMLP: the ring MLP in a mixture-of-experts model (--num-experts with --ring-mlp) is "
                              "not implemented; drop one")
