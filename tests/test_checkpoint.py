@@ -14,16 +14,16 @@ from megatron_tsp.run import checkpointing
 BEFORE, AFTER = 3, 2
 
 
-def _train_save_continue(mode, size, path):
-    chunks, optimizer, transform = setup(mode, "modern", tsp=size, tp=size)
+def _train_save_continue(mode, size, path, **moe):
+    chunks, optimizer, transform = setup(mode, "modern", tsp=size, tp=size, **moe)
     for _ in range(BEFORE):
         step(chunks, optimizer, transform)
     checkpointing.save(path, chunks, optimizer, common={"iteration": BEFORE})
     return [step(chunks, optimizer, transform) for _ in range(AFTER)]
 
 
-def _load_continue(mode, size, path):
-    chunks, optimizer, transform = setup(mode, "modern", tsp=size, tp=size)
+def _load_continue(mode, size, path, **moe):
+    chunks, optimizer, transform = setup(mode, "modern", tsp=size, tp=size, **moe)
     common, _ = checkpointing.load(path, chunks, optimizer)
     assert common["iteration"] == BEFORE
     return [step(chunks, optimizer, transform) for _ in range(AFTER)]
@@ -66,3 +66,42 @@ def test_ring_mlp_checkpoints_move_both_ways(ranks, tmp_path, saved, loaded):
     expected = ranks(2, _train_save_continue, saved, 2, path)[0]
     for history in ranks(2, _load_continue, loaded, 2, path):
         assert_history_close(history, expected)
+
+
+MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64, moe_aux_loss_coeff=0.01,
+           moe_token_dispatcher_type="alltoall", block_spec=True)
+
+
+@pytest.mark.parametrize("saved,loaded", [(("tsp", 2, 2), ("tp-sp", 2, 2)), (("tsp", 2, 2), ("tsp", 4, 4)),
+                                          (("tp-sp", 2, 2), ("tsp", 2, 2))],
+                         ids=["tsp2-into-tp2-sp", "tsp2-ep2-into-tsp4-ep4", "tp2-sp-into-tsp2"])
+def test_moe_checkpoints_move_between_layouts(ranks, tmp_path, saved, loaded):
+    """Mixture-of-experts models (experts folded onto the model-parallel ranks, EP = the size):
+    model and optimizer saved in one layout resume in another with the uninterrupted run's
+    losses. (D=1's weights load into every layout: test_gpt's MoE tests start so.)"""
+    (mode, size, ep), (mode_to, size_to, ep_to) = saved, loaded
+    path = str(tmp_path / "moe")
+    expected = ranks(size, _train_save_continue, mode, size, path, ep=ep, **MOE)[0]
+    for history in ranks(size_to, _load_continue, mode_to, size_to, path, ep=ep_to, **MOE):
+        assert_history_close(history, expected)
+
+
+def _load_optimizer_of_another_split(path):
+    from megatron_tsp.errors import CheckpointError
+
+    chunks, optimizer, _ = setup("single", "modern", ep=1, **MOE)
+    try:
+        checkpointing.load(path, chunks, optimizer)
+    except CheckpointError as exc:
+        return str(exc)
+    return None
+
+
+def test_moe_optimizer_state_of_another_split_is_one_line(ranks, tmp_path):
+    """megatron-core keeps a MoE model's optimizer state in dense and expert parts where EP > 1
+    and in one where EP = 1; its checkpoints do not move between the two: one line, not a
+    KeyError from inside the load."""
+    path = str(tmp_path / "moe")
+    ranks(2, _train_save_continue, "tsp", 2, path, ep=2, **MOE)
+    message = ranks(1, _load_optimizer_of_another_split, path)[0]
+    assert "keeps the optimizer state in dense and expert parts" in message and "\n" not in message

@@ -282,6 +282,7 @@ def load(path: str, model: List[torch.nn.Module], optimizer=None,
         fix_optimizer_checkpoints()
         _materialize_optimizer_state(optimizer)
         state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True, metadata=OPTIMIZER_METADATA)
+        _check_optimizer_parts(path, state["optimizer"])
     with_rank_state = per_rank and common.get("has_per_rank") and common.get("world_size") == dist.get_world_size()
     if with_rank_state:
         state["per_rank"] = _per_rank(None)
@@ -307,6 +308,21 @@ def _check_model_args(path: str, saved: Optional[Dict[str, Any]], expected: Opti
     if differ:
         raise CheckpointError(f"checkpoint {path} is of another model: {'; '.join(sorted(differ))}; "
                               "load it with the same model arguments")
+
+
+def _check_optimizer_parts(path: str, optimizer_state: Dict[str, Any]) -> None:
+    """megatron-core keeps a mixture-of-experts model's optimizer state in two parts (dense and
+    experts: ``chained_0.``, ``chained_1.``) where the experts are sharded over more than one
+    rank, and in one part where they are not; its checkpoints do not move between the two.
+    One line instead of a KeyError from inside the load."""
+    saved = any(key.startswith("chained_") for key in dist_checkpointing.load_tensors_metadata(path))
+    here = any(isinstance(t, ShardedTensor) and t.key.startswith("chained_") for t in nested_values(optimizer_state))
+    if saved != here:
+        parts = {True: "dense and expert parts (expert_model_parallel_size > 1)",
+                 False: "one part (expert_model_parallel_size 1)"}
+        raise CheckpointError(f"checkpoint {path} keeps the optimizer state in {parts[saved]}, this run in "
+                              f"{parts[here]}: resume the optimizer in a layout of the first kind (the model "
+                              "weights alone load in any)")
 
 
 def _check_shapes(path: str, state: Dict[str, Any]) -> None:
