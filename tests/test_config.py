@@ -71,6 +71,10 @@ def test_bad_files_name_the_key(tmp_path, text, message):
      "must divide tensor_model_parallel_size x context_parallel_size = 2"),
     (dict(tensor_model_parallel_size=2, ring_mlp=True, sequence_parallel=True, num_experts=4),
      "'ring_mlp' (--ring-mlp) with num_experts is not implemented"),
+    (dict(moe_ffn_hidden_size=64), "'num_experts' (--num-experts) is needed by the moe_* settings given"),
+    (dict(tsp_size=4, num_experts=4, expert_model_parallel_size=4, moe_shared_expert_intermediate_size=6),
+     "'moe_shared_expert_intermediate_size' (--moe-shared-expert-intermediate-size) must be divisible by the "
+     "model-parallel size 4"),
     (dict(reset_attention_mask=True, transformer_engine_spec=True, tsp_size=1, tensor_model_parallel_size=2,
           sequence_parallel=True), "'reset_attention_mask' (--reset-attention-mask) reaches the attention as the "
                                    "documents' starts"),

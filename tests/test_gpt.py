@@ -213,5 +213,5 @@ def test_unsupported_models_fail_at_build(ranks):
     assert "--ffn-hidden-size 130 is not divisible by --tsp-size 4" in messages[2]
     assert "--num-query-groups 2 is not divisible by --tsp-size 4" in messages[3]
     # MoE through the bare layer spec would have built dense layers; experts split within a rank
-    assert "build it with megatron_tsp.get_gpt_block_tsp_spec" in messages[4]
+    assert "layer 1 is a mixture-of-experts layer" in messages[4] and "get_gpt_block_tsp_spec" in messages[4]
     assert "--expert-tensor-parallel-size must be 1 with --tsp-size 4 (got 4)" in messages[5]

@@ -50,7 +50,7 @@ from megatron_tsp.core.gemm import gemm, gemm_t
 from megatron_tsp.core.parallel_state import is_tsp_group, resolve_ring_groups
 from megatron_tsp.core.prefetch import LayerChain
 from megatron_tsp.core.streaming import WeightRing, deliver_grads, linear_pair_shard, unpack
-from megatron_tsp.core.support import check_mlp_config, require
+from megatron_tsp.core.support import check_mlp_config, moe_layers, require
 
 _NOT_AN_EXPERT = ("TSPMLP: a mixture-of-experts layer's experts are megatron's MLPs, each whole on the rank that "
                   "holds it (megatron_tsp.get_gpt_block_tsp_spec builds MoE layers so); TSPMLP is a dense layer's")
@@ -87,12 +87,6 @@ class TSPMLP(MLP):
         self.under = "--tsp-size" if is_tsp_group(group) else "--ring-mlp"
         if is_expert:
             raise ValueError(_NOT_AN_EXPERT)
-        freq = config.moe_layer_freq
-        if config.num_moe_experts and self.under == "--tsp-size" and (freq == 1 or (isinstance(freq, list)
-                                                                                 and all(freq))):
-            raise ValueError("TSPMLP: every layer of this model is a mixture-of-experts layer (--num-experts, "
-                             "--moe-layer-freq); build it with megatron_tsp.get_gpt_block_tsp_spec, which puts "
-                             "megatron's MoE module there")
         if config.num_moe_experts and self.under == "--ring-mlp":
             raise ValueError("TSPMLP: the ring MLP in a mixture-of-experts model (--num-experts with --ring-mlp) is "
                              "not implemented; drop one")
@@ -139,6 +133,14 @@ class TSPMLP(MLP):
         if not recomputed or config.gated_linear_unit or self.activation_func is not F.gelu:
             return None
         return lambda h, d_a: torch.ops.aten.gelu_backward(d_a, h)
+
+    def set_layer_number(self, layer_number: int) -> None:
+        """Called by megatron's ``TransformerLayer`` with its (global) layer number: a layer that
+        ``moe_layer_freq`` makes a mixture-of-experts layer must not be built dense."""
+        if moe_layers(self.config)[layer_number - 1]:
+            raise ValueError(f"TSPMLP: layer {layer_number} is a mixture-of-experts layer (--num-experts, "
+                             "--moe-layer-freq); build the model with megatron_tsp.get_gpt_block_tsp_spec, which "
+                             "puts megatron's MoE module there")
 
     def forward(self, hidden_states: torch.Tensor, per_token_scale=None, **kwargs
                 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:

@@ -72,6 +72,8 @@ def initialize_model_parallel(
             "(or launch with torchrun) before megatron_tsp.initialize_model_parallel"
         )
     tp = megatron_kwargs.pop("tensor_model_parallel_size", 1)
+    if tsp_size > 1:  # experts fold onto the TSP group whole (megatron's default would split them over it)
+        megatron_kwargs.setdefault("expert_tensor_parallel_size", 1)
     cp = megatron_kwargs.get("context_parallel_size", 1)
     sizes = ParallelSizes(tsp=tsp_size, tp=tp, cp=cp, pp=pipeline_model_parallel_size, world=dist.get_world_size())
     sizes.validate("the processes of torch.distributed")

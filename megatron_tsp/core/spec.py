@@ -32,6 +32,7 @@ from megatron_tsp.core.attention import TSPSelfAttention
 from megatron_tsp.core.mlp import TSPMLP
 from megatron_tsp.core.norm import TSPNorm
 from megatron_tsp.core.prefetch import LayerChain
+from megatron_tsp.core.support import moe_layers
 from megatron_tsp.core.zigzag import IndexCache
 
 
@@ -128,18 +129,6 @@ def get_gpt_block_tsp_spec(
     return TransformerBlockSubmodules(layer_specs=stage_layers(config, layer, with_moe(layer, config), vp_stage,
                                                                pp_rank),
                                       layer_norm=norm_spec(layer_kwargs.get("fused_norm", True)))
-
-
-def moe_layers(config: TransformerConfig) -> List[bool]:
-    """Which of the model's layers are mixture-of-experts layers: megatron's ``moe_layer_freq``
-    (every N-th from the first, or a list of 0/1), none without experts."""
-    if not config.num_moe_experts:
-        return [False] * config.num_layers
-    freq = config.moe_layer_freq
-    pattern = [i % freq == 0 for i in range(config.num_layers)] if isinstance(freq, int) else [bool(x) for x in freq]
-    if len(pattern) != config.num_layers:
-        raise ValueError(f"--moe-layer-freq names {len(pattern)} layers, the model has {config.num_layers}")
-    return pattern
 
 
 def stage_layers(config: TransformerConfig, dense: ModuleSpec, moe: Optional[ModuleSpec], vp_stage: Optional[int],

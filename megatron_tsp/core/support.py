@@ -237,6 +237,18 @@ CONFIG_NEUTRAL_PREFIXES = ("moe_", "mtp_", "fp8_", "fp4_", "tp_comm_", "cuda_gra
                            "mamba_", "inference_", "fine_grained_offloading_", "_cpu_offloading")
 
 
+def moe_layers(config: TransformerConfig) -> List[bool]:
+    """Which of the model's layers are mixture-of-experts layers: megatron's ``moe_layer_freq``
+    (every N-th from the first, or a list of 0/1), none without experts."""
+    if not getattr(config, "num_moe_experts", None):
+        return [False] * config.num_layers
+    freq = config.moe_layer_freq
+    pattern = [i % freq == 0 for i in range(config.num_layers)] if isinstance(freq, int) else [bool(x) for x in freq]
+    if len(pattern) != config.num_layers:
+        raise ValueError(f"--moe-layer-freq names {len(pattern)} layers, the model has {config.num_layers}")
+    return pattern
+
+
 def unlisted_settings(config: TransformerConfig) -> Iterator[Tuple[str, Any, Any]]:
     """``(field, value, default)`` of every field of ``config`` that is set away from its default
     and that TSP neither implements, nor ignores harmlessly, nor checks by a rule."""

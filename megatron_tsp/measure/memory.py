@@ -317,17 +317,20 @@ def planned_layers(values: Dict) -> Tuple[int, int]:
     divides them; block recompute from k+1 on), so the line meets the model's own pattern."""
     k = values.get("recompute_num_layers") or 1
     period = window_period(values)
-    layers = values.get("num_layers")
+    layers = values.get("num_layers") or cfg.ARGUMENTS["num_layers"].default
     full = values.get("recompute_granularity") == "full"
-    if full and values.get("recompute_method") == "block" and k < (layers or k + 1):
+    block = full and values.get("recompute_method") == "block"
+    if block and k < layers:
         if period > 1:
             low = k + 1 + (layers - k - 1) % period
             return low, low + period
         return max(2, k + 1), max(2, k + 1) + 1
     unit = k if full and values.get("recompute_method") == "uniform" else 1
     if period > 1:
+        if block:  # every layer recomputed: plans of no more layers than the first k
+            return max(1, layers - period), layers
         unit = math.lcm(unit, period)
-        low = 2 * unit + (layers - 2 * unit) % unit if layers else 2 * unit
+        low = 2 * unit + (layers - 2 * unit) % unit
         return low, low + unit
     return 2 * unit, 3 * unit
 

@@ -309,9 +309,8 @@ def _accountings(mode, hw, world, counts, args, layout, full_step_s) -> Dict:
     tokens = args.micro_batch_size * args.seq_length
     per_layer = counts["per_layer"]
     # one layer's model FLOPs (no recompute) per rank, with the planner's attention share
-    layer_flops = flops_formula.flops_per_sequence(
-        1, args.hidden_size, args.ffn_hidden_size, args.num_attention_heads, args.num_query_groups,
-        args.kv_channels, args.seq_length, 0, args.swiglu) * args.micro_batch_size / layout.model_parallel
+    layer_flops = flops_formula.flops_per_sequence_from_args(args, 0) / args.num_layers * args.micro_batch_size / \
+        layout.model_parallel  # the model's layers on average (windows and global ones)
     attn_share = per_layer["attention_flops"] / per_layer["flops"] if per_layer["flops"] else 0.0
 
     def layer_time(fraction, phases):

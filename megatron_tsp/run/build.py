@@ -99,8 +99,10 @@ def model_args(args) -> Dict[str, Any]:
     if args.softmax_type != "vanilla":  # learnable: one more parameter; both: other math
         keys.append("softmax_type")
     if args.num_experts:  # the experts' parameters
-        keys += ["num_experts", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_layer_freq"]
+        keys += ["num_experts", "moe_shared_expert_intermediate_size", "moe_layer_freq"]
     out = {key: getattr(args, key) for key in keys}
+    if args.num_experts:
+        out["moe_ffn_hidden_size"] = args.moe_ffn_hidden_size or args.ffn_hidden_size
     out["padded_vocab_size"] = data.padded_vocab(args)
     return out
 

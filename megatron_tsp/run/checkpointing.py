@@ -315,14 +315,16 @@ def _check_optimizer_parts(path: str, optimizer_state: Dict[str, Any]) -> None:
     experts: ``chained_0.``, ``chained_1.``) where the experts are sharded over more than one
     rank, and in one part where they are not; its checkpoints do not move between the two.
     One line instead of a KeyError from inside the load."""
-    saved = any(key.startswith("chained_") for key in dist_checkpointing.load_tensors_metadata(path))
+    keys = [key for key in dist_checkpointing.load_tensors_metadata(path) if "optimizer." in key]
+    if not keys:  # no optimizer state among its tensors: the load says what is missing
+        return
+    saved = any(key.startswith("chained_") for key in keys)
     here = any(isinstance(t, ShardedTensor) and t.key.startswith("chained_") for t in nested_values(optimizer_state))
     if saved != here:
         parts = {True: "dense and expert parts (expert_model_parallel_size > 1)",
                  False: "one part (expert_model_parallel_size 1)"}
         raise CheckpointError(f"checkpoint {path} keeps the optimizer state in {parts[saved]}, this run in "
-                              f"{parts[here]}: resume the optimizer in a layout of the first kind (the model "
-                              "weights alone load in any)")
+                              f"{parts[here]}: resume with an expert_model_parallel_size of the checkpoint's kind")
 
 
 def _check_shapes(path: str, state: Dict[str, Any]) -> None:

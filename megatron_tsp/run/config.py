@@ -410,6 +410,12 @@ def check_combinations(ns: argparse.Namespace) -> None:
          f"must be divisible by expert_model_parallel_size {ns.expert_model_parallel_size}"),
         (ns.expert_model_parallel_size == 1 or ns.num_experts, "expert_model_parallel_size",
          "applies with num_experts"),
+        (ns.num_experts or not (ns.moe_ffn_hidden_size or ns.moe_shared_expert_intermediate_size
+                                or ns.moe_layer_freq != 1 or ns.moe_aux_loss_coeff), "num_experts",
+         "is needed by the moe_* settings given (they apply to mixture-of-experts layers)"),
+        (not ns.moe_shared_expert_intermediate_size or ns.moe_shared_expert_intermediate_size % layout.tensor_slot == 0,
+         "moe_shared_expert_intermediate_size", f"must be divisible by the model-parallel size {layout.tensor_slot} "
+         "(the shared experts are split over it, as a TP MLP)"),
         (layout.tsp > 1 or (layout.tp * layout.cp) % ns.expert_model_parallel_size == 0, "expert_model_parallel_size",
          f"must divide tensor_model_parallel_size x context_parallel_size = {layout.tp * layout.cp} (the experts "
          "are folded onto the model-parallel ranks)"),
