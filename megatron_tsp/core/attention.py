@@ -63,7 +63,7 @@ from megatron_tsp.core.kv import GatherKV, ScatterKVGrads, grad_buffer, send_buf
 from megatron_tsp.core.parallel_state import resolve_tsp_groups
 from megatron_tsp.core.prefetch import LayerChain
 from megatron_tsp.core.streaming import WeightBroadcast, deliver_grads, linear_pair_shard, run_forward_pre_hooks, unpack
-from megatron_tsp.core.support import causal_window, check_attention_config
+from megatron_tsp.core.support import check_attention_config
 
 Rope = Optional[Tuple[torch.Tensor, ...]]
 
@@ -118,10 +118,7 @@ class TSPSelfAttention(SelfAttention):
         self.lookahead = lookahead
         self.attention_backend = validate_backend(attention_backend)
         self.softmax_scale = config.softmax_scale or 1.0 / math.sqrt(self.hidden_size_per_attention_head)
-        if not causal_window(config.window_size):
-            raise ValueError(f"TSPSelfAttention: window_size must be W,0 with W >= 0, a causal sliding window "
-                             f"(got {config.window_size})")
-        self.window = window_of(layer_number, config)  # keys before a query it sees; -1: all
+        self.window = window_of(layer_number, config, "TSPSelfAttention")  # keys before a query it sees; -1: all
         self.zigzag_indices = zigzag_indices if zigzag_indices is not None else zigzag.IndexCache()
         self.chain = chain if chain is not None else LayerChain()
         self.chain.register(self)

@@ -59,12 +59,7 @@ class FlashDotProductAttention(MegatronModule):
             raise ValueError("FlashDotProductAttention does not support attention dropout; set --attention-dropout 0")
         from megatron.core import parallel_state
 
-        from megatron_tsp.core.support import causal_window
-
-        if not causal_window(config.window_size):
-            raise ValueError(f"FlashDotProductAttention: window_size must be W,0 with W >= 0, a causal sliding window "
-                             f"(got {config.window_size})")
-        self.window = window_of(layer_number, config)  # keys before a query it sees; -1: all
+        self.window = window_of(layer_number, config, "FlashDotProductAttention")  # keys before a query; -1: all
 
         self.cp_group = getattr(pg_collection, "cp", None) or parallel_state.get_context_parallel_group()
         self.tp_group = getattr(pg_collection, "tp", None) or parallel_state.get_tensor_model_parallel_group()

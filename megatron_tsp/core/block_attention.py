@@ -178,14 +178,19 @@ def zigzag_backward_blocks(size: int, rank: int, chunk: int) -> Tuple[List[Block
     return out + [(0, c, (d + r) * c, (d + r + 1) * c, True)], len(out)
 
 
-def window_of(layer_number: int, config) -> int:
+def window_of(layer_number: int, config, where: str) -> int:
     """The causal sliding window of megatron's layer ``layer_number`` (1-based, global):
     ``config.window_size[0]``, the keys before a query that it sees, where megatron-core makes
     the layer a window layer (``window_attn_skip_freq``: every N-th layer, or a list, is
-    global); -1 where it sees every earlier key."""
+    global); -1 where it sees every earlier key. A window that is not causal, ``(W, 0)`` with
+    W >= 0, is a one-line ValueError naming ``where`` (the attention module)."""
     from megatron.core.transformer.utils import is_layer_window_attention
 
+    from megatron_tsp.core.support import causal_window
+
     window = getattr(config, "window_size", None)
+    if not causal_window(window):
+        raise ValueError(f"{where}: window_size must be W,0 with W >= 0, a causal sliding window (got {window})")
     if not window or window[0] < 0 or not is_layer_window_attention(window, config.window_attn_skip_freq,
                                                                        layer_number):
         return -1
