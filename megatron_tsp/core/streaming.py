@@ -79,14 +79,15 @@ def deliver_grads(own: Sequence[torch.Tensor], flat: torch.Tensor) -> List[torch
     """The summed fp32 gradient ``flat`` of this rank's shard, as autograd's result for its
     parameters. Under megatron's DDP (a parameter with ``main_grad``) it is added to the fp32
     ``main_grad`` here and autograd gets an unread placeholder with
-    ``grad_added_to_main_grad`` set, as megatron's gradient-accumulation fusion does;
-    otherwise the gradient in the parameter's dtype."""
+    ``grad_added_to_main_grad`` set, as megatron's gradient-accumulation fusion does (zeros
+    where megatron set ``zero_out_wgrad``: a weight two layers of one stage share, whose
+    placeholders DDP's hook adds); otherwise the gradient in the parameter's dtype."""
     grads = []
     for p, g in zip(own, unpack(flat, own)):
         if getattr(p, "main_grad", None) is not None:
             p.main_grad.add_(g)
             p.grad_added_to_main_grad = True
-            grads.append(torch.empty_like(p))
+            grads.append(torch.zeros_like(p) if getattr(p, "zero_out_wgrad", False) else torch.empty_like(p))
         else:
             grads.append(g.to(p.dtype))
     return grads

@@ -13,6 +13,7 @@ from megatron.core.optimizer import OptimizerConfig
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_tsp.core import vocab
 from megatron_tsp.core.parallel_state import initialize_model_parallel
 from megatron_tsp.core.sizes import ParallelSizes
 from megatron_tsp.core.support import window_pair
@@ -107,6 +108,12 @@ def model_args(args) -> Dict[str, Any]:
     return out
 
 
+def vocab_layout(args, dtype: torch.dtype) -> str:
+    """``table`` or ``sequence``: TSP's vocabulary ends as ``--tsp-vocab`` chooses (:mod:`vocab`)."""
+    return vocab.choose(args.tsp_vocab, data.padded_vocab(args), args.hidden_size,
+                        args.seq_length * args.micro_batch_size, ParallelSizes.of(args).tsp, dtype)
+
+
 def initialize(args, device: Device, seed: bool = True, **megatron_kwargs) -> None:
     """Process groups of the run (TSP, or TP/CP for a baseline) with their communicators
     created on ``device``, and, with ``seed``, the RNGs. On the CPU, megatron-core's CPU
@@ -145,7 +152,8 @@ def build(args, device: Device, mode: Optional[Mode] = None, attention_backend: 
     config = transformer_config(args, device)
     if transformer_engine is None:
         transformer_engine = args.transformer_engine_spec
-    spec = (mode or modes.of(args)).spec(args, config, attention_backend, transformer_engine, fused_norm)
+    mode = mode or modes.of(args)
+    spec = mode.spec(args, config, attention_backend, transformer_engine, fused_norm)
     model = step.build_model(
         config, spec, data.padded_vocab(args), device.torch,
         args.max_position_embeddings,
@@ -159,6 +167,9 @@ def build(args, device: Device, mode: Optional[Mode] = None, attention_backend: 
             grad_reduce_in_fp32=args.bf16 or args.fp16,
         ),
     )
+    if mode.tsp_layers:
+        for chunk in model:
+            vocab.apply(step.unwrap(chunk), vocab_layout(args, config.params_dtype))
     optimizer = step.build_optimizer(model, OptimizerConfig(
         optimizer="adam", lr=lrs.lr, min_lr=lrs.min_lr, weight_decay=args.weight_decay,
         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,

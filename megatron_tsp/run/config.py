@@ -84,6 +84,9 @@ ARGUMENTS: Dict[str, Arg] = {
     "ring_mlp": _b("TSP's ring MLP in a tensor-parallel model: weight shards rotate, no activation collectives"),
     "tsp_lookahead": Arg(int, 1, "TSP attention: head-group weight shards in flight ahead of the one in use (each "
                                  "one more shard of memory)"),
+    "tsp_vocab": Arg(str, "auto", "TSP's embedding and output layer: table (all-gather the vocabulary table, each "
+                                  "rank scores its own tokens), sequence (megatron's sequence-parallel collectives "
+                                  "of the activations), auto (the one that moves fewer bytes)"),
     "transformer_engine_spec": _b("baselines (TP, TP+SP, TP x CP) on megatron's TransformerEngine layer spec "
                                   "where it is installed, instead of the attention op TSP uses: TE's fused "
                                   "kernels, but the modes then run different kernels"),
@@ -295,6 +298,7 @@ RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm")  # megatron's, for dense G
 CHOICES = {
     "position_embedding_type": ("rope", "learned_absolute"),
     "softmax_type": ("vanilla", "off-by-one", "learnable"),
+    "tsp_vocab": ("auto", "table", "sequence"),
     "moe_token_dispatcher_type": ("alltoall", "allgather"),
     "normalization": ("LayerNorm", "RMSNorm"),
     "lr_decay_style": ("constant", "linear", "cosine", "inverse-square-root"),

@@ -1,0 +1,228 @@
+"""TSP's vocabulary ends: every rank embeds, projects and scores its own tokens against the
+whole vocabulary table, gathered from the rows each rank owns.
+
+megatron's embedding and output layer split the vocabulary V over the tensor-parallel slot
+(TSP's group). Under sequence parallelism the *tokens* are split too, so megatron moves
+activations at both ends of the model: the embedding's ``[S, b, h]`` output is
+reduce-scattered to the token owners, the last hidden states are all-gathered before the
+output layer, and backward does the reverse, about ``4 S b h (D-1)/D`` elements per step, none
+of it behind compute. The *table* layout moves the table instead (rank p owns rows
+``W_p``, exactly megatron's vocab-parallel shard, so parameters and checkpoints do not change):
+
+    W      = all_gather(W_p)                 [V, h]
+    e_p    = W[ids_p]                        rank p's tokens' embeddings
+    z_p    = y_p W^T                         their logits over the whole vocabulary
+    l_p    = CE(z_p, labels_p)               megatron's cross entropy with no collective
+    l      = all_gather(l_p)                 the per-token losses [b, S] megatron returns
+
+    dW_p   = reduce_scatter(sum over p's tokens of dW) in fp32, for each end
+
+``2 V h (D-1)/D`` elements in the parameters' dtype and as many in fp32 per step
+(:func:`traffic`), whatever S is. ``auto`` takes the table where it moves fewer bytes than
+megatron's sequence-parallel collectives (long sequences, a vocabulary up to a few times
+S b); ``sequence`` keeps megatron's layers. The logits a table model returns without
+labels are this rank's tokens over the whole vocabulary, ``[b, S/D, V]``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from megatron.core import tensor_parallel
+from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
+from megatron.core.models.gpt import GPTModel
+from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+from megatron_tsp.core import comm
+from megatron_tsp.core.gemm import gemm_t
+from megatron_tsp.core.streaming import deliver_grads, run_forward_pre_hooks
+
+LAYOUTS = ("auto", "table", "sequence")
+
+
+def traffic(layout: str, vocab: int, hidden: int, tokens: int, size: int, dtype: torch.dtype) -> int:
+    """Elements' bytes one rank sends per step at the vocabulary ends in ``layout`` (``tokens``:
+    S b of a micro-batch): the table's two gathers in ``dtype`` and two fp32 reduce-scatters,
+    or megatron's four sequence-parallel collectives of ``[S, b, h]`` in ``dtype``."""
+    share = (size - 1) / size
+    width = torch.empty((), dtype=dtype).element_size()
+    if layout == "table":
+        return int(2 * vocab * hidden * share * (width + 4))
+    return int(4 * tokens * hidden * share * width)
+
+
+def choose(layout: str, vocab: int, hidden: int, tokens: int, size: int, dtype: torch.dtype) -> str:
+    """``table`` or ``sequence``: ``layout`` itself, or for ``auto`` the one that moves fewer
+    bytes (``sequence`` on one rank, where neither moves any)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"tsp_vocab must be one of {', '.join(LAYOUTS)} (got {layout!r})")
+    if layout != "auto":
+        return layout
+    if size == 1:
+        return "sequence"
+    table = traffic("table", vocab, hidden, tokens, size, dtype)
+    return "table" if table < traffic("sequence", vocab, hidden, tokens, size, dtype) else "sequence"
+
+
+def _gather_rows(shard: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    full = shard.new_empty((shard.size(0) * group.size(),) + tuple(shard.shape[1:]))
+    with comm.InFlight() as inflight:
+        inflight.wait(comm.all_gather(full, shard.contiguous(), group, inflight))
+    return full
+
+
+def _reduce_scatter_rows(full: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    own = full.new_empty((full.size(0) // group.size(),) + tuple(full.shape[1:]))
+    with comm.InFlight() as inflight:
+        inflight.wait(comm.reduce_scatter(own, full, group, inflight))
+    return own
+
+
+class GatherTableLookup(torch.autograd.Function):
+    """e_p = W[ids_p], W = all_gather(W_p) over vocabulary rows.
+
+    Backward: dW = sum over this rank's tokens of de at their ids (fp32, ``index_add``),
+    reduce-scattered so that rank p gets the sum over ranks of its rows' gradient, added to
+    megatron's fp32 ``main_grad`` (:func:`deliver_grads`). The gathered table is not kept."""
+
+    @staticmethod
+    def forward(ctx, ids: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup):
+        ctx.group = group
+        ctx.save_for_backward(ids, shard)
+        return F.embedding(ids, _gather_rows(shard, group))
+
+    @staticmethod
+    def backward(ctx, d_embedded):
+        ids, shard = ctx.saved_tensors
+        full = torch.zeros((shard.size(0) * ctx.group.size(), shard.size(1)), dtype=torch.float32,
+                           device=d_embedded.device)
+        full.index_add_(0, ids.reshape(-1), d_embedded.reshape(-1, shard.size(1)).float())
+        own = _reduce_scatter_rows(full, ctx.group)
+        return None, *deliver_grads([shard], own.view(-1)), None
+
+
+class GatherTableProjection(torch.autograd.Function):
+    """z_p = y_p W^T, W = all_gather(W_p) over vocabulary rows: this rank's tokens' logits
+    over the whole vocabulary.
+
+    Backward: dy_p = dz_p W (whole, no collective); dW = dz_p^T y_p summed over this rank's
+    tokens inside its GEMM (fp32), reduce-scattered to the row owners and added to their
+    ``main_grad``. The gathered table is kept for backward instead of gathered again."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup):
+        table = _gather_rows(shard, group)
+        ctx.group = group
+        ctx.save_for_backward(hidden, shard, table)
+        return F.linear(hidden, table)
+
+    @staticmethod
+    def backward(ctx, d_logits):
+        hidden, shard, table = ctx.saved_tensors
+        d2d = d_logits.reshape(-1, d_logits.size(-1))
+        d_hidden = (d2d @ table).view_as(hidden)
+        own = _reduce_scatter_rows(gemm_t(d2d, hidden.reshape(-1, hidden.size(-1))), ctx.group)
+        return d_hidden, *deliver_grads([shard], own.view(-1)), None
+
+
+class LocalCrossEntropy(torch.autograd.Function):
+    """megatron's vocab-parallel cross entropy over a whole vocabulary, with no collective:
+    its own steps (``VocabParallelCrossEntropy``), as it computes them on one rank."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor):
+        logits, logits_max = VocabParallelCrossEntropy.calculate_logits_max(logits)
+        target_mask, masked_target_1d, predicted, sum_exp, exp_logits = (
+            VocabParallelCrossEntropy.calculate_predicted_logits(logits, target, logits_max, 0, logits.size(-1)))
+        softmax, loss = VocabParallelCrossEntropy.calculate_cross_entropy_loss(exp_logits, predicted, sum_exp)
+        ctx.save_for_backward(softmax, target_mask, masked_target_1d)
+        return loss
+
+    @staticmethod
+    def backward(ctx, d_loss):
+        softmax, target_mask, masked_target_1d = ctx.saved_tensors
+        grad_2d, arange_1d, update, grad = VocabParallelCrossEntropy.prepare_gradient_calculation_operands(
+            softmax, target_mask)
+        return VocabParallelCrossEntropy.calculate_gradients(grad_2d, arange_1d, masked_target_1d, update, grad,
+                                                             d_loss), None
+
+
+def _own(t: torch.Tensor, group: dist.ProcessGroup, dim: int = 1) -> torch.Tensor:
+    """This rank's tokens of a whole sequence in zigzag order (``dim``: the sequence's)."""
+    s = t.size(dim) // group.size()
+    return t.narrow(dim, group.rank() * s, s)
+
+
+class TableEmbedding(LanguageModelEmbedding):
+    """megatron's ``LanguageModelEmbedding`` in the table layout: this rank's tokens of the
+    whole zigzag-ordered ``input_ids`` looked up in the gathered table (same parameters).
+    Learned positions are looked up locally too; their gradient is then partial per rank and
+    megatron's ``finalize_model_grads`` sums it over the group (``sequence_parallel`` on the
+    parameter, as for the norms)."""
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, tokentype_ids=None) -> torch.Tensor:
+        if tokentype_ids is not None:
+            raise NotImplementedError("TSP's table embedding: token types are not supported")
+        run_forward_pre_hooks(self.word_embeddings)  # its weight is read, not called: streaming.py
+        embeddings = GatherTableLookup.apply(_own(input_ids, self.tp_group), self.word_embeddings.weight,
+                                             self.tp_group)
+        if self.add_position_embedding:
+            embeddings = embeddings + self.position_embeddings(_own(position_ids, self.tp_group))
+        embeddings = embeddings.transpose(0, 1).contiguous()
+        if self.config.fp32_residual_connection:
+            embeddings = embeddings.float()
+        with tensor_parallel.get_cuda_rng_tracker().fork():  # per rank, as megatron's sequence-parallel dropout
+            return self.embedding_dropout(embeddings)
+
+
+class TableOutputLayer(ColumnParallelLinear):
+    """megatron's output layer in the table layout: ``[S/D, b, h]`` -> ``[S/D, b, V]``."""
+
+    def forward(self, input_: torch.Tensor, weight: Optional[torch.Tensor] = None, runtime_gather_output=None):
+        return GatherTableProjection.apply(input_, self.weight if weight is None else weight, self.tp_group), None
+
+
+class TableGPTModel(GPTModel):
+    """megatron's ``GPTModel`` whose loss is this rank's tokens' cross entropy, all-gathered
+    into the ``[b, S]`` losses megatron's loss functions take. The gather's backward keeps
+    this rank's part (every rank computes the same loss from them)."""
+
+    def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        group = self.pg_collection.tp
+        loss = LocalCrossEntropy.apply(logits, _own(labels, group).transpose(0, 1).contiguous())
+        loss = gather_from_sequence_parallel_region(loss, tensor_parallel_output_grad=False, group=group)
+        return loss.transpose(0, 1).contiguous()
+
+
+def _become(module: torch.nn.Module, cls: type) -> None:
+    """``module`` (exactly ``cls``'s megatron base class) runs ``cls``'s forward from now on."""
+    base = cls.__bases__[0]
+    if type(module) is not base and type(module) is not cls:
+        raise TypeError(f"TSP's table layout replaces megatron's {base.__name__}, not {type(module).__name__}")
+    module.__class__ = cls
+
+
+def apply(model: GPTModel, layout: str) -> None:
+    """Put ``model`` (one pipeline stage of a TSP model) in ``layout``: ``table`` swaps its
+    embedding, output layer and loss for the table layout's (parameters untouched, so this
+    may run after DDP wrapped it); ``sequence`` leaves megatron's."""
+    if layout == "sequence":
+        return
+    if layout != "table":
+        raise ValueError(f"apply takes table or sequence (got {layout!r}); choose() resolves auto")
+    if getattr(model, "mtp_process", False):
+        raise NotImplementedError("TSP's table layout: multi-token prediction is not supported")
+    if model.pre_process:
+        _become(model.embedding, TableEmbedding)
+        if model.embedding.add_position_embedding:
+            model.embedding.position_embeddings.weight.sequence_parallel = True
+    if model.post_process:
+        if model.output_layer.bias is not None:
+            raise NotImplementedError("TSP's table layout: an output layer bias is not supported")
+        _become(model.output_layer, TableOutputLayer)
+        _become(model, TableGPTModel)
