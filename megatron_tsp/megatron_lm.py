@@ -10,7 +10,9 @@ TSP rides on Megatron-LM's tensor-parallel slot (docs/design.md section 6):
   ``--ring-mlp`` keeps Megatron-LM's attention and puts TSP's ring MLP in the layers;
 * :func:`add_tsp_args` declares ``--tsp-size`` and ``--ring-mlp`` for Megatron-LM's parser;
 * :func:`zigzag_get_batch` wraps pretrain_gpt's ``get_batch`` so that its own
-  ``forward_step`` feeds the TSP ranks the batch in zigzag order;
+  ``forward_step`` feeds the TSP ranks the batch in zigzag order, and
+  :func:`vocab_forward_step` its ``forward_step``, which puts the vocabulary ends in the
+  layout ``--tsp-vocab`` chooses;
 * the TSP groups are registered before the model is built (:func:`model_provider` on
   0.16, the ``--spec`` object itself on 0.19).
 
@@ -26,6 +28,7 @@ from functools import wraps
 from typing import List, Optional
 
 from megatron_tsp import versions
+from megatron_tsp.core import vocab
 from megatron_tsp.core.parallel_state import adopt_megatron_groups
 from megatron_tsp.core.sizes import ParallelSizes
 from megatron_tsp.core.spec import get_gpt_layer_tsp_spec, with_ring_mlp
@@ -151,6 +154,10 @@ def add_tsp_args(parser):
                        help="TSP size D: weights and tokens sharded over D GPUs (tensor-parallel slot)")
     group.add_argument("--ring-mlp", action="store_true",
                        help="TSP's ring MLP in a TP model: weight shards rotate, no activation collectives")
+    group.add_argument("--tsp-vocab", choices=vocab.LAYOUTS, default="auto",
+                       help="TSP's embedding and output layer: table (all-gather the vocabulary table, each rank "
+                            "scores its own tokens), sequence (sequence-parallel collectives of the activations), "
+                            "auto (the one that moves fewer bytes)")
     if not any("--softmax-type" in action.option_strings for action in parser._actions):
         # megatron-core's TransformerConfig.softmax_type, which Megatron-LM 0.16/0.19 have no flag for;
         # core_transformer_config_from_args copies it into the config by name
@@ -194,6 +201,32 @@ def zigzag_get_batch(get_batch):
     return get_batch_in_zigzag_order
 
 
+def vocab_forward_step(forward_step):
+    """pretrain_gpt's ``forward_step``, which first puts TSP's vocabulary ends in the layout
+    ``--tsp-vocab`` chooses (:mod:`megatron_tsp.core.vocab`; parameters untouched, so it can
+    happen once the model is built and wrapped, which no hook of 0.19's ``pretrain`` exposes)."""
+
+    applied = set()
+
+    @wraps(forward_step)
+    def forward_step_in_vocab_layout(data_iterator, model, *args, **kwargs):
+        from megatron.core.utils import unwrap_model
+        from megatron.training import get_args, print_rank_0
+
+        a = get_args()
+        if a.tsp_size > 1 and id(model) not in applied:  # each model chunk (virtual pipeline stages) once
+            layout = vocab.choose(a.tsp_vocab, a.padded_vocab_size, a.hidden_size, a.seq_length * a.micro_batch_size,
+                                  a.tsp_size, a.params_dtype)
+            for chunk in model if isinstance(model, list) else [model]:
+                vocab.apply(unwrap_model(chunk), layout)
+            if not applied:
+                print_rank_0(f"> TSP vocabulary ends: {layout} layout (--tsp-vocab {a.tsp_vocab})")
+            applied.add(id(model))
+        return forward_step(data_iterator, model, *args, **kwargs)
+
+    return forward_step_in_vocab_layout
+
+
 def model_provider(*args, **kwargs):
     """Megatron-LM's model provider (gpt_builder), after registering the TSP groups (or the
     ring MLP's communicator). Megatron-LM 0.16's ``pretrain`` builds through it; 0.19's
@@ -211,5 +244,5 @@ def main() -> None:
 
     pretrain_gpt.get_batch = zigzag_get_batch(pretrain_gpt.get_batch)
     modelopt = pretrain_gpt.add_modelopt_args if pretrain_gpt.has_nvidia_modelopt else None
-    versions.run_pretrain_gpt(pretrain_gpt, model_provider, pretrain_gpt.forward_step,
+    versions.run_pretrain_gpt(pretrain_gpt, model_provider, vocab_forward_step(pretrain_gpt.forward_step),
                               chain_args_providers(add_tsp_args, modelopt))

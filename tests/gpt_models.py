@@ -20,6 +20,7 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 import megatron_tsp
+from megatron_tsp.core import vocab as vocab_layout
 from megatron_tsp.run import checkpointing
 from megatron_tsp.run import step as training
 from megatron_tsp.run.data import make_batch
@@ -91,13 +92,16 @@ class Step(NamedTuple):
 
 def setup(mode, model="modern", tsp=1, tp=1, cp=1, pp=1, recompute=None, overlap_grad_reduce=False,
           use_distributed_optimizer=True, block_spec=False, init=True, grad_reduce_in_fp32=False,
-          with_optimizer=True, ring_mlp=False, lookahead=1, ep=None, **config_overrides):
+          with_optimizer=True, ring_mlp=False, lookahead=1, ep=None, vocab="sequence", tied=True,
+          **config_overrides):
     """Process groups (unless ``init`` is false), model (DDP-wrapped chunks), optimizer and
     batch transform for ``single`` (the world=1 reference: megatron's stock local spec) or a
     mode of ``megatron_tsp.run.modes`` (its layers and batch transform, as training builds
     them; ``block_spec=False`` gives TSP the bare layer spec Megatron-LM's ``--spec`` uses);
     ``config_overrides`` go to the TransformerConfig; ``ep``: mixture-of-experts, its experts
-    over ``ep`` model-parallel ranks, each whole. The one builder of the tests' GPT models."""
+    over ``ep`` model-parallel ranks, each whole; ``vocab``: TSP's vocabulary layout
+    (:mod:`megatron_tsp.core.vocab`); ``tied``: the output layer shares the
+    embedding's weight. The one builder of the tests' GPT models."""
     size = tsp if mode == "tsp" else tp
     ring = mode.endswith("-ring") or ring_mlp  # ring_mlp: beside context parallelism (tp-cp)
     experts = {} if ep is None else dict(expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
@@ -132,10 +136,14 @@ def setup(mode, model="modern", tsp=1, tp=1, cp=1, pp=1, recompute=None, overlap
     model_parallel_cuda_manual_seed(SEED)
     chunks = training.build_model(
         config, spec, VOCAB, torch.device("cpu"), SEQ, position_embedding_type=position_embedding_type,
+        share_embeddings_and_output_weights=tied,
         ddp_config=DistributedDataParallelConfig(use_distributed_optimizer=use_distributed_optimizer,
                                                  overlap_grad_reduce=overlap_grad_reduce,
                                                  grad_reduce_in_fp32=grad_reduce_in_fp32),
     )
+    if mode == "tsp":  # as megatron_tsp.run.build does
+        for chunk in chunks:
+            vocab_layout.apply(training.unwrap(chunk), vocab)
     optimizer = training.build_optimizer(
         chunks, OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=1.0, weight_decay=0.01,
                                 use_distributed_optimizer=use_distributed_optimizer)) if with_optimizer else None

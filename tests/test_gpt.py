@@ -57,6 +57,31 @@ def test_tsp_with_dp_pp_and_recompute(ranks, single, single_checkpoint, kwargs):
         assert_history_close(history, single[model])
 
 
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(tsp=2),
+        dict(tsp=4, model="classic"),  # learned positions (their gradient summed over the group), LayerNorm, bias
+        dict(tsp=2, pp=2, load=True),  # embedding and output layer on different stages, their tied weight
+        dict(tsp=2, recompute="full", overlap_grad_reduce=True),  # TSP=2 x DP=2
+        dict(tsp=2, tied=False),
+        dict(tsp=4, documents=True),
+    ],
+    ids=["tsp2", "tsp4-classic", "tsp2-pp2", "dp2-recompute-overlap", "untied", "documents"],
+)
+def test_table_vocabulary_trains_like_single_process(ranks, single, single_checkpoint, packed, kwargs):
+    """TSP's table layout (core/vocab.py: the gathered vocabulary table, each rank's own
+    tokens' logits and cross entropy) trains as the world=1 stock model."""
+    if kwargs.pop("load", False):
+        kwargs["load"] = single_checkpoint
+    model = kwargs.pop("model", "modern")
+    expected = packed[model] if kwargs.get("documents") else single[model]
+    if not kwargs.get("tied", True):
+        expected = ranks(1, run, "single", model, steps=STEPS, tied=False)[0]
+    for history in ranks(4, run, "tsp", model, steps=STEPS, vocab="table", **kwargs):
+        assert_history_close(history, expected)
+
+
 @pytest.fixture(scope="module")
 def sinks(ranks, tmp_path_factory):
     """A world=1 model with megatron's learnable softmax sinks: (its initial weights, its

@@ -86,7 +86,7 @@ def _pretrain(tree, script, *flags, timeout=600):
     assert out.returncode == 0, text[-5000:]
     losses = {int(m.group(1)): float(m.group(2))
               for m in re.finditer(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+)", text)}
-    printed = dict(re.findall(r"^  (\w+) \.+ (.*)$", out.stdout, re.M))
+    printed = dict(re.findall(r"^  (\w+) \.+ (.*)$", out.stdout, re.M), _output=text)
     return losses, printed
 
 
@@ -115,6 +115,16 @@ def test_tsp_through_pretrain_equals_stock_tp_sp(stock, tsp):
         ("2", "2", "True")
     assert printed["spec"] == "['megatron_tsp.megatron_lm', 'layer_spec']"
     _close(tsp_losses, stock_losses)
+
+
+def test_table_vocabulary_through_pretrain_equals_stock_tp_sp(tree, stock, tsp):
+    """``--tsp-vocab table`` (the default run above takes the sequence layout: at this size
+    neither moves fewer bytes)."""
+    losses, printed = _pretrain(tree, None, "--tsp-size", "2", "--tsp-vocab", "table")
+    assert printed["tsp_vocab"] == "table"
+    assert "TSP vocabulary ends: sequence layout (--tsp-vocab auto)" in tsp[1]["_output"]
+    assert "TSP vocabulary ends: table layout (--tsp-vocab table)" in printed["_output"]
+    _close(losses, stock[0])
 
 
 def test_ring_mlp_through_pretrain_equals_stock_tp_sp(tree, stock):

@@ -2,7 +2,8 @@
 
 The planner's collective counts (torch.distributed wrapped, so TSP's and megatron's traffic
 alike) for L layers equal L times the per-layer formula plus the embedding and output
-layer, which TSP and TP+SP share (sequence-parallel scatter in, gather out).
+layer: megatron's sequence-parallel scatter in and gather out (TP+SP, and TSP's sequence
+layout), or TSP's gathered vocabulary table (its table layout).
 """
 
 import os
@@ -13,15 +14,16 @@ from conftest import ROOT
 
 from megatron_tsp.measure import memory
 from megatron_tsp.run import config
+from megatron_tsp.run.data import padded_vocab
 
 D, SEQ, LAYERS = 2, 256, 2
 
 
-def _plan(mode):
-    values = config.load_config(os.path.join(ROOT, "configs", "tiny-cpu.yaml"))
-    values.update(seq_length=SEQ, max_position_embeddings=SEQ, num_layers=LAYERS)
-    args = config.resolve(values)
-    return args, memory.plan(values, mode)["comm"]
+def _plan(mode, **values):
+    loaded = config.load_config(os.path.join(ROOT, "configs", "tiny-cpu.yaml"))
+    loaded.update(seq_length=SEQ, max_position_embeddings=SEQ, num_layers=LAYERS, **values)
+    args = config.resolve(loaded)
+    return args, memory.plan(loaded, mode)["comm"]
 
 
 def _bytes(comm, group, phase, primitive):
@@ -36,26 +38,30 @@ def shared():
     return args, act
 
 
-def test_tsp_counts_match_the_formula(shared):
-    args, act = shared
-    _, comm = _plan("tsp")
+@pytest.mark.parametrize("layout", ["table", "sequence"])
+def test_tsp_counts_match_the_formula(shared, layout):
+    """``auto`` takes the table here: it moves fewer bytes than the sequence layout."""
+    args, _ = shared
+    _, comm = _plan("tsp", **({} if layout == "table" else {"tsp_vocab": layout}))
     attn = volumes.tsp_attention(SEQ, args.micro_batch_size, args.hidden_size, args.num_attention_heads,
                                  args.num_query_groups, args.kv_channels, D, e=4)
     mlp = volumes.tsp_mlp(args.hidden_size, args.ffn_hidden_size, D, e=4, gated=args.swiglu)
+    ends = volumes.vocabulary_ends(layout, SEQ, args.micro_batch_size, args.hidden_size, padded_vocab(args), D, e=4)
     for phase in ("forward", "backward"):
         assert _bytes(comm, "tsp_weight", phase, "broadcast") == LAYERS * attn[phase]["broadcast"]
         assert _bytes(comm, "tsp_weight", phase, "send_recv") == LAYERS * mlp[phase]["send_recv"]
+        for primitive in ("all_gather", "reduce_scatter"):  # K/V and the vocabulary ends on the TSP group
+            assert _bytes(comm, "tsp", phase, primitive) == \
+                LAYERS * attn[phase].get(primitive, 0) + ends[phase].get(primitive, 0), (phase, primitive)
     assert _bytes(comm, "tsp_weight", "backward", "reduce") == LAYERS * attn["backward"]["reduce"]
-    # K/V on the TSP group (megatron's tensor-parallel slot), plus the embedding/output traffic there
-    assert _bytes(comm, "tsp", "forward", "all_gather") == LAYERS * attn["forward"]["all_gather"] + act
-    assert _bytes(comm, "tsp", "forward", "reduce_scatter") == act
-    assert _bytes(comm, "tsp", "backward", "all_gather") == LAYERS * attn["backward"]["all_gather"] + 2 * act
-    assert _bytes(comm, "tsp", "backward", "reduce_scatter") == LAYERS * attn["backward"]["reduce_scatter"] + act
-    # The only all-reduces are the vocab-parallel cross entropy's ([S, b] statistics, shared
-    # with TP+SP): the layers issue none.
+    # All-reduces: the norms' gradients (finalize_model_grads) and, in the sequence layout as in
+    # TP+SP, the vocab-parallel cross entropy's three [S, b] fp32 statistics; the layers issue none.
+    statistics = volumes._share(2 * 3 * 4 * SEQ * args.micro_batch_size, D)  # a ring all-reduce: 2(D-1)/D
     _, tp_sp = _plan("tp-sp")
-    assert _bytes(comm, "tsp", "forward", "all_reduce") == _bytes(tp_sp, "tp", "forward", "all_reduce")
-    assert _bytes(comm, "tsp", "forward", "all_reduce") <= 4 * 4 * SEQ * args.micro_batch_size
+    everything = _bytes(tp_sp, "tp", "forward", "all_reduce")
+    assert everything > statistics
+    assert _bytes(comm, "tsp", "forward", "all_reduce") == everything - (statistics if layout == "table" else 0)
+    assert _bytes(comm, "tsp", "backward", "all_reduce") == 0
 
 
 def test_tp_sp_counts_match_the_formula(shared):

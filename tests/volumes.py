@@ -66,3 +66,18 @@ def tp_sp_layer(seq: int, batch: int, hidden: int, tp: int, e: int) -> Volumes:
         "forward": {"all_gather": 2 * act, "reduce_scatter": 2 * act},
         "backward": {"all_gather": 4 * act, "reduce_scatter": 2 * act},
     }
+
+
+def vocabulary_ends(layout: str, seq: int, batch: int, hidden: int, vocab: int, d: int, e: int) -> Volumes:
+    """Embedding, output layer and loss of a tied model. ``sequence`` (megatron's, TP+SP's too):
+    the embedding's ``[S, b, h]`` reduce-scattered and the output layer's input all-gathered,
+    and in backward the reverse plus the output layer's input gathered again. ``table``
+    (TSP's, core/vocab.py): each end all-gathers the ``[V, h]`` table and reduce-scatters its
+    gradient in fp32, and the ``[S, b]`` fp32 per-token losses are all-gathered."""
+    if layout == "table":
+        table = _share(e * vocab * hidden, d)
+        return {"forward": {"all_gather": 2 * table + _share(4 * seq * batch, d)},
+                "backward": {"reduce_scatter": 2 * _share(4 * vocab * hidden, d)}}
+    act = _share(e * seq * batch * hidden, d)
+    return {"forward": {"all_gather": act, "reduce_scatter": act},
+            "backward": {"all_gather": 2 * act, "reduce_scatter": act}}

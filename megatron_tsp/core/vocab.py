@@ -5,8 +5,8 @@ megatron's embedding and output layer split the vocabulary V over the tensor-par
 (TSP's group). Under sequence parallelism the *tokens* are split too, so megatron moves
 activations at both ends of the model: the embedding's ``[S, b, h]`` output is
 reduce-scattered to the token owners, the last hidden states are all-gathered before the
-output layer, and backward does the reverse, about ``4 S b h (D-1)/D`` elements per step, none
-of it behind compute. The *table* layout moves the table instead (rank p owns rows
+output layer, and backward does the reverse, ``5 S b h (D-1)/D`` elements per micro-batch, none
+of it behind compute (:func:`traffic`). The *table* layout moves the table instead (rank p owns rows
 ``W_p``, exactly megatron's vocab-parallel shard, so parameters and checkpoints do not change):
 
     W      = all_gather(W_p)                 [V, h]
@@ -17,8 +17,8 @@ of it behind compute. The *table* layout moves the table instead (rank p owns ro
 
     dW_p   = reduce_scatter(sum over p's tokens of dW) in fp32, for each end
 
-``2 V h (D-1)/D`` elements in the parameters' dtype and as many in fp32 per step
-(:func:`traffic`), whatever S is. ``auto`` takes the table where it moves fewer bytes than
+``2 V h (D-1)/D`` elements in the parameters' dtype and as many in fp32 per micro-batch,
+whatever S is. ``auto`` takes the table where it moves fewer bytes than
 megatron's sequence-parallel collectives (long sequences, a vocabulary up to a few times
 S b); ``sequence`` keeps megatron's layers. The logits a table model returns without
 labels are this rank's tokens over the whole vocabulary, ``[b, S/D, V]``.
@@ -46,14 +46,15 @@ LAYOUTS = ("auto", "table", "sequence")
 
 
 def traffic(layout: str, vocab: int, hidden: int, tokens: int, size: int, dtype: torch.dtype) -> int:
-    """Elements' bytes one rank sends per step at the vocabulary ends in ``layout`` (``tokens``:
-    S b of a micro-batch): the table's two gathers in ``dtype`` and two fp32 reduce-scatters,
-    or megatron's four sequence-parallel collectives of ``[S, b, h]`` in ``dtype``."""
+    """Bytes one rank receives per micro-batch at the vocabulary ends in ``layout`` (``tokens``:
+    S b): the table's two gathers in ``dtype``, two fp32 reduce-scatters and the fp32 losses'
+    gather; or megatron's five sequence-parallel collectives of ``[S, b, h]`` in ``dtype`` (the
+    output layer gathers its input again in backward)."""
     share = (size - 1) / size
     width = torch.empty((), dtype=dtype).element_size()
     if layout == "table":
-        return int(2 * vocab * hidden * share * (width + 4))
-    return int(4 * tokens * hidden * share * width)
+        return int(share * (2 * vocab * hidden * (width + 4) + 4 * tokens))
+    return int(share * 5 * tokens * hidden * width)
 
 
 def choose(layout: str, vocab: int, hidden: int, tokens: int, size: int, dtype: torch.dtype) -> str:

@@ -1,0 +1,33 @@
+"""TSP's vocabulary layouts (core/vocab.py): which one ``auto`` takes, and one-line refusals.
+That both train as world=1 megatron-core is test_gpt's; their bytes, test_volumes'."""
+
+import pytest
+import torch
+
+from megatron_tsp.core import vocab
+
+H = 4096
+
+
+@pytest.mark.parametrize("vocab_size,tokens,dtype,expected", [
+    (32_000, 131_072, torch.bfloat16, "table"),  # the paper's 7B at 128K
+    (128_256, 8_192, torch.bfloat16, "sequence"),  # a large vocabulary at a short sequence
+    (256, 4_096, torch.float32, "table"),  # the CPU benchmark
+    (512, 128, torch.float32, "sequence"),
+])
+def test_auto_takes_the_layout_that_moves_fewer_bytes(vocab_size, tokens, dtype, expected):
+    assert vocab.choose("auto", vocab_size, H, tokens, 8, dtype) == expected
+    table, sequence = (vocab.traffic(layout, vocab_size, H, tokens, 8, dtype) for layout in ("table", "sequence"))
+    assert (table < sequence) == (expected == "table")
+
+
+def test_a_chosen_layout_is_kept_and_one_rank_moves_nothing():
+    assert vocab.choose("table", 128_256, H, 128, 8, torch.bfloat16) == "table"
+    assert vocab.choose("sequence", 256, H, 1 << 20, 8, torch.bfloat16) == "sequence"
+    assert vocab.choose("auto", 256, H, 1 << 20, 1, torch.bfloat16) == "sequence"
+    assert vocab.traffic("table", 256, H, 1 << 20, 1, torch.bfloat16) == 0
+
+
+def test_an_unknown_layout_is_one_line():
+    with pytest.raises(ValueError, match="tsp_vocab must be one of auto, table, sequence"):
+        vocab.choose("rows", 256, H, 1024, 2, torch.float32)
