@@ -218,7 +218,7 @@ def vocab_forward_step(forward_step):
             layout = vocab.choose(a.tsp_vocab, a.padded_vocab_size, a.hidden_size, a.seq_length * a.micro_batch_size,
                                   a.tsp_size, a.params_dtype)
             for chunk in model if isinstance(model, list) else [model]:
-                vocab.apply(unwrap_model(chunk), layout)
+                vocab.apply_vocab_layout(unwrap_model(chunk), layout)
             if not applied:
                 print_rank_0(f"> TSP vocabulary ends: {layout} layout (--tsp-vocab {a.tsp_vocab})")
             applied.add(id(model))

@@ -143,7 +143,7 @@ def setup(mode, model="modern", tsp=1, tp=1, cp=1, pp=1, recompute=None, overlap
     )
     if mode == "tsp":  # as megatron_tsp.run.build does
         for chunk in chunks:
-            vocab_layout.apply(training.unwrap(chunk), vocab)
+            vocab_layout.apply_vocab_layout(training.unwrap(chunk), vocab)
     optimizer = training.build_optimizer(
         chunks, OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=1.0, weight_decay=0.01,
                                 use_distributed_optimizer=use_distributed_optimizer)) if with_optimizer else None

@@ -208,14 +208,14 @@ def _become(module: torch.nn.Module, cls: type) -> None:
     module.__class__ = cls
 
 
-def apply(model: GPTModel, layout: str) -> None:
+def apply_vocab_layout(model: GPTModel, layout: str) -> None:
     """Put ``model`` (one pipeline stage of a TSP model) in ``layout``: ``table`` swaps its
     embedding, output layer and loss for the table layout's (parameters untouched, so this
     may run after DDP wrapped it); ``sequence`` leaves megatron's."""
     if layout == "sequence":
         return
     if layout != "table":
-        raise ValueError(f"apply takes table or sequence (got {layout!r}); choose() resolves auto")
+        raise ValueError(f"apply_vocab_layout takes table or sequence (got {layout!r}); choose() resolves auto")
     if getattr(model, "mtp_process", False):
         raise NotImplementedError("TSP's table layout: multi-token prediction is not supported")
     if model.pre_process:

@@ -169,7 +169,7 @@ def build(args, device: Device, mode: Optional[Mode] = None, attention_backend: 
     )
     if mode.tsp_layers:
         for chunk in model:
-            vocab.apply(step.unwrap(chunk), vocab_layout(args, config.params_dtype))
+            vocab.apply_vocab_layout(step.unwrap(chunk), vocab_layout(args, config.params_dtype))
     optimizer = step.build_optimizer(model, OptimizerConfig(
         optimizer="adam", lr=lrs.lr, min_lr=lrs.min_lr, weight_decay=args.weight_decay,
         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
