@@ -204,9 +204,9 @@ def zigzag_get_batch(get_batch):
 def vocab_forward_step(forward_step):
     """pretrain_gpt's ``forward_step``, which first puts TSP's vocabulary ends in the layout
     ``--tsp-vocab`` chooses (:mod:`megatron_tsp.core.vocab`; parameters untouched, so it can
-    happen once the model is built and wrapped, which no hook of 0.19's ``pretrain`` exposes)."""
-
-    applied = set()
+    happen once the model is built and wrapped, which no hook of 0.19's ``pretrain`` exposes;
+    idempotent, so every call does it, for every model chunk and every rebuilt model)."""
+    announced = []
 
     @wraps(forward_step)
     def forward_step_in_vocab_layout(data_iterator, model, *args, **kwargs):
@@ -214,14 +214,11 @@ def vocab_forward_step(forward_step):
         from megatron.training import get_args, print_rank_0
 
         a = get_args()
-        if a.tsp_size > 1 and id(model) not in applied:  # each model chunk (virtual pipeline stages) once
-            layout = vocab.choose(a.tsp_vocab, a.padded_vocab_size, a.hidden_size, a.seq_length * a.micro_batch_size,
-                                  a.tsp_size, a.params_dtype)
-            for chunk in model if isinstance(model, list) else [model]:
-                vocab.apply_vocab_layout(unwrap_model(chunk), layout)
-            if not applied:
+        if a.tsp_size > 1:
+            layout = vocab.apply_vocab_layout(unwrap_model(model), a.tsp_vocab, a.seq_length * a.micro_batch_size)
+            if not announced:
                 print_rank_0(f"> TSP vocabulary ends: {layout} layout (--tsp-vocab {a.tsp_vocab})")
-            applied.add(id(model))
+                announced.append(layout)
         return forward_step(data_iterator, model, *args, **kwargs)
 
     return forward_step_in_vocab_layout

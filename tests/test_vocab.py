@@ -31,3 +31,22 @@ def test_a_chosen_layout_is_kept_and_one_rank_moves_nothing():
 def test_an_unknown_layout_is_one_line():
     with pytest.raises(ValueError, match="tsp_vocab must be one of auto, table, sequence"):
         vocab.choose("rows", 256, H, 1024, 2, torch.float32)
+
+
+def _last_stage(**config):
+    """A stand-in for the last pipeline stage of a 7B TSP8 GPTModel (what apply_vocab_layout reads)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        config=SimpleNamespace(hidden_size=H, params_dtype=torch.bfloat16, **config), vocab_size=32_768,
+        pg_collection=SimpleNamespace(tp=SimpleNamespace(size=lambda: 8)), pre_process=False, post_process=True,
+        output_layer=SimpleNamespace(bias=None), mtp_process=False)
+
+
+def test_what_needs_megatrons_output_layer_keeps_it_under_auto_and_is_one_line_under_table():
+    model = _last_stage(defer_embedding_wgrad_compute=True)
+    assert vocab.apply_vocab_layout(model, "auto", tokens=131_072) == "sequence"
+    with pytest.raises(ValueError, match="^--tsp-vocab table cannot be used with --defer-embedding-wgrad-compute"):
+        vocab.apply_vocab_layout(model, "table")
+    with pytest.raises(ValueError, match="auto needs tokens"):
+        vocab.apply_vocab_layout(_last_stage(), "auto")

@@ -45,29 +45,56 @@ from megatron_tsp.core.streaming import deliver_grads, run_forward_pre_hooks
 LAYOUTS = ("auto", "table", "sequence")
 
 
-def traffic(layout: str, vocab: int, hidden: int, tokens: int, size: int, dtype: torch.dtype) -> int:
+def traffic(layout: str, vocab: int, hidden: int, tokens: int, size: int, dtype: torch.dtype,
+            learned_positions: bool = False) -> int:
     """Bytes one rank receives per micro-batch at the vocabulary ends in ``layout`` (``tokens``:
-    S b): the table's two gathers in ``dtype``, two fp32 reduce-scatters and the fp32 losses'
-    gather; or megatron's five sequence-parallel collectives of ``[S, b, h]`` in ``dtype`` (the
-    output layer gathers its input again in backward)."""
+    S b). The table: two gathers in ``dtype``, two fp32 reduce-scatters and the fp32 losses'
+    gather. The sequence layout: megatron's five collectives of ``[S, b, h]`` in ``dtype`` (the
+    output layer gathers its input again in backward; with learned positions the embedding
+    all-reduces, twice a reduce-scatter's bytes) and its cross entropy's three ``[S, b]`` fp32
+    all-reduces."""
     share = (size - 1) / size
     width = torch.empty((), dtype=dtype).element_size()
     if layout == "table":
         return int(share * (2 * vocab * hidden * (width + 4) + 4 * tokens))
-    return int(share * 5 * tokens * hidden * width)
+    return int(share * ((6 if learned_positions else 5) * tokens * hidden * width + 2 * 3 * 4 * tokens))
 
 
-def choose(layout: str, vocab: int, hidden: int, tokens: int, size: int, dtype: torch.dtype) -> str:
+def choose(layout: str, vocab: int, hidden: int, tokens: int, size: int, dtype: torch.dtype,
+           learned_positions: bool = False) -> str:
     """``table`` or ``sequence``: ``layout`` itself, or for ``auto`` the one that moves fewer
     bytes (``sequence`` on one rank, where neither moves any)."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"tsp_vocab must be one of {', '.join(LAYOUTS)} (got {layout!r})")
+    _check(layout)
     if layout != "auto":
         return layout
     if size == 1:
         return "sequence"
-    table = traffic("table", vocab, hidden, tokens, size, dtype)
-    return "table" if table < traffic("sequence", vocab, hidden, tokens, size, dtype) else "sequence"
+    table, sequence = (traffic(each, vocab, hidden, tokens, size, dtype, learned_positions)
+                       for each in ("table", "sequence"))
+    return "table" if table < sequence else "sequence"
+
+
+def _check(layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"tsp_vocab must be one of {', '.join(LAYOUTS)} (got {layout!r})")
+
+
+def table_blocker(model: GPTModel) -> Optional[str]:
+    """Why ``model`` cannot take the table layout (a setting of megatron's that needs its own
+    embedding or output layer), or None."""
+    config = model.config
+    if getattr(model, "mtp_process", False):
+        return "multi-token prediction (--mtp-num-layers)"
+    if getattr(config, "defer_embedding_wgrad_compute", False):
+        return "--defer-embedding-wgrad-compute (megatron's output layer keeps its activations for it)"
+    if model.pre_process:
+        if getattr(model.embedding, "tokentype_embeddings", None) is not None:
+            return "token-type embeddings"
+        if not getattr(model.embedding, "scatter_to_sequence_parallel", True):
+            return "an embedding that does not scatter the sequence (the model scatters it later)"
+    if model.post_process and model.output_layer.bias is not None:
+        return "an output layer bias"
+    return None
 
 
 def _gather_rows(shard: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -87,7 +114,7 @@ def _reduce_scatter_rows(full: torch.Tensor, group: dist.ProcessGroup) -> torch.
 class GatherTableLookup(torch.autograd.Function):
     """e_p = W[ids_p], W = all_gather(W_p) over vocabulary rows.
 
-    Backward: dW = sum over this rank's tokens of de at their ids (fp32, ``index_add``),
+    Backward: dW = sum over this rank's tokens of de at their ids (fp32, ``index_put_``),
     reduce-scattered so that rank p gets the sum over ranks of its rows' gradient, added to
     megatron's fp32 ``main_grad`` (:func:`deliver_grads`). The gathered table is not kept."""
 
@@ -102,7 +129,8 @@ class GatherTableLookup(torch.autograd.Function):
         ids, shard = ctx.saved_tensors
         full = torch.zeros((shard.size(0) * ctx.group.size(), shard.size(1)), dtype=torch.float32,
                            device=d_embedded.device)
-        full.index_add_(0, ids.reshape(-1), d_embedded.reshape(-1, shard.size(1)).float())
+        # index_put_'s accumulation sorts the ids on a GPU: deterministic, where index_add_'s atomics are not
+        full.index_put_((ids.reshape(-1),), d_embedded.reshape(-1, shard.size(1)).float(), accumulate=True)
         own = _reduce_scatter_rows(full, ctx.group)
         return None, *deliver_grads([shard], own.view(-1)), None
 
@@ -185,6 +213,8 @@ class TableOutputLayer(ColumnParallelLinear):
     """megatron's output layer in the table layout: ``[S/D, b, h]`` -> ``[S/D, b, V]``."""
 
     def forward(self, input_: torch.Tensor, weight: Optional[torch.Tensor] = None, runtime_gather_output=None):
+        if runtime_gather_output:
+            raise NotImplementedError("TSP's table layout: gathered logits (runtime_gather_output) are not supported")
         return GatherTableProjection.apply(input_, self.weight if weight is None else weight, self.tp_group), None
 
 
@@ -208,22 +238,32 @@ def _become(module: torch.nn.Module, cls: type) -> None:
     module.__class__ = cls
 
 
-def apply_vocab_layout(model: GPTModel, layout: str) -> None:
-    """Put ``model`` (one pipeline stage of a TSP model) in ``layout``: ``table`` swaps its
-    embedding, output layer and loss for the table layout's (parameters untouched, so this
-    may run after DDP wrapped it); ``sequence`` leaves megatron's."""
+def apply_vocab_layout(model: GPTModel, layout: str, tokens: Optional[int] = None) -> str:
+    """Put ``model`` (one pipeline stage of a TSP model) in ``layout`` and return the layout it
+    took: ``table`` swaps its embedding, output layer and loss for the table layout's
+    (parameters untouched, so this may run after DDP wrapped it, and again: it is idempotent);
+    ``sequence`` leaves megatron's; ``auto`` (which needs ``tokens``, S b of a micro-batch)
+    takes what :func:`choose` does, and ``sequence`` where :func:`table_blocker` objects."""
+    _check(layout)
+    group = model.pg_collection.tp
+    if layout == "auto":
+        if tokens is None:
+            raise ValueError("apply_vocab_layout: auto needs tokens (sequence length x micro-batch size)")
+        learned = model.pre_process and model.embedding.add_position_embedding
+        layout = choose(layout, model.vocab_size, model.config.hidden_size, tokens, group.size(),
+                        model.config.params_dtype, learned)
+        if layout == "table" and table_blocker(model) is not None:
+            layout = "sequence"
     if layout == "sequence":
-        return
-    if layout != "table":
-        raise ValueError(f"apply_vocab_layout takes table or sequence (got {layout!r}); choose() resolves auto")
-    if getattr(model, "mtp_process", False):
-        raise NotImplementedError("TSP's table layout: multi-token prediction is not supported")
+        return layout
+    blocker = table_blocker(model)
+    if blocker is not None:
+        raise ValueError(f"--tsp-vocab table cannot be used with {blocker}; use --tsp-vocab sequence")
     if model.pre_process:
         _become(model.embedding, TableEmbedding)
         if model.embedding.add_position_embedding:
             model.embedding.position_embeddings.weight.sequence_parallel = True
     if model.post_process:
-        if model.output_layer.bias is not None:
-            raise NotImplementedError("TSP's table layout: an output layer bias is not supported")
         _become(model.output_layer, TableOutputLayer)
         _become(model, TableGPTModel)
+    return layout

@@ -108,12 +108,6 @@ def model_args(args) -> Dict[str, Any]:
     return out
 
 
-def vocab_layout(args, dtype: torch.dtype) -> str:
-    """``table`` or ``sequence``: TSP's vocabulary ends as ``--tsp-vocab`` chooses (:mod:`vocab`)."""
-    return vocab.choose(args.tsp_vocab, data.padded_vocab(args), args.hidden_size,
-                        args.seq_length * args.micro_batch_size, ParallelSizes.of(args).tsp, dtype)
-
-
 def initialize(args, device: Device, seed: bool = True, **megatron_kwargs) -> None:
     """Process groups of the run (TSP, or TP/CP for a baseline) with their communicators
     created on ``device``, and, with ``seed``, the RNGs. On the CPU, megatron-core's CPU
@@ -169,7 +163,7 @@ def build(args, device: Device, mode: Optional[Mode] = None, attention_backend: 
     )
     if mode.tsp_layers:
         for chunk in model:
-            vocab.apply_vocab_layout(step.unwrap(chunk), vocab_layout(args, config.params_dtype))
+            vocab.apply_vocab_layout(step.unwrap(chunk), args.tsp_vocab, args.seq_length * args.micro_batch_size)
     optimizer = step.build_optimizer(model, OptimizerConfig(
         optimizer="adam", lr=lrs.lr, min_lr=lrs.min_lr, weight_decay=args.weight_decay,
         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
