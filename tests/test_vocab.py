@@ -33,20 +33,39 @@ def test_an_unknown_layout_is_one_line():
         vocab.choose("rows", 256, H, 1024, 2, torch.float32)
 
 
-def _last_stage(**config):
-    """A stand-in for the last pipeline stage of a 7B TSP8 GPTModel (what apply_vocab_layout reads)."""
+def _bare(cls, **attributes):
+    """An instance of a megatron class that skipped its ``__init__`` (no process groups)."""
+    module = object.__new__(cls)
+    torch.nn.Module.__init__(module)
+    for name, value in attributes.items():
+        setattr(module, name, value)
+    return module
+
+
+def _last_stage(cls=None, **config):
+    """The last pipeline stage of a 7B TSP8 GPTModel, as far as apply_vocab_layout reads it."""
     from types import SimpleNamespace
 
-    return SimpleNamespace(
-        config=SimpleNamespace(hidden_size=H, params_dtype=torch.bfloat16, **config), vocab_size=32_768,
-        pg_collection=SimpleNamespace(tp=SimpleNamespace(size=lambda: 8)), pre_process=False, post_process=True,
-        output_layer=SimpleNamespace(bias=None), mtp_process=False)
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+    return _bare(cls or GPTModel, config=SimpleNamespace(hidden_size=H, params_dtype=torch.bfloat16, **config),
+                 vocab_size=32_768, pg_collection=SimpleNamespace(tp=SimpleNamespace(size=lambda: 8)),
+                 pre_process=False, post_process=True, mtp_process=False, max_sequence_length=131_072,
+                 position_embedding_type="rope", output_layer=_bare(ColumnParallelLinear, bias=None))
 
 
-def test_what_needs_megatrons_output_layer_keeps_it_under_auto_and_is_one_line_under_table():
+def test_what_needs_megatrons_layers_keeps_them_under_auto_and_is_one_line_under_table():
+    from megatron.core.models.gpt import GPTModel
+
+    assert vocab.table_blocker(_last_stage()) is None
     model = _last_stage(defer_embedding_wgrad_compute=True)
     assert vocab.apply_vocab_layout(model, "auto", tokens=131_072) == "sequence"
     with pytest.raises(ValueError, match="^--tsp-vocab table cannot be used with --defer-embedding-wgrad-compute"):
         vocab.apply_vocab_layout(model, "table")
+    custom = _last_stage(type("MyGPT", (GPTModel,), {}))  # the layout replaces megatron's classes only
+    assert vocab.apply_vocab_layout(custom, "auto", tokens=131_072) == "sequence"
+    with pytest.raises(ValueError, match="cannot be used with MyGPT"):
+        vocab.apply_vocab_layout(custom, "table")
     with pytest.raises(ValueError, match="auto needs tokens"):
         vocab.apply_vocab_layout(_last_stage(), "auto")

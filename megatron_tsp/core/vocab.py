@@ -46,22 +46,24 @@ LAYOUTS = ("auto", "table", "sequence")
 
 
 def traffic(layout: str, vocab: int, hidden: int, tokens: int, size: int, dtype: torch.dtype,
-            learned_positions: bool = False) -> int:
+            positions: int = 0) -> int:
     """Bytes one rank receives per micro-batch at the vocabulary ends in ``layout`` (``tokens``:
-    S b). The table: two gathers in ``dtype``, two fp32 reduce-scatters and the fp32 losses'
-    gather. The sequence layout: megatron's five collectives of ``[S, b, h]`` in ``dtype`` (the
-    output layer gathers its input again in backward; with learned positions the embedding
+    S b; ``positions``: rows of a learned position table, 0 for none). The table: two gathers in
+    ``dtype``, two fp32 reduce-scatters, the fp32 losses' gather and, with learned positions,
+    the all-reduce of their fp32 gradient (once per step, counted per micro-batch). The
+    sequence layout: megatron's five collectives of ``[S, b, h]`` in ``dtype`` (the output
+    layer gathers its input again in backward; with learned positions the embedding
     all-reduces, twice a reduce-scatter's bytes) and its cross entropy's three ``[S, b]`` fp32
     all-reduces."""
     share = (size - 1) / size
     width = torch.empty((), dtype=dtype).element_size()
     if layout == "table":
-        return int(share * (2 * vocab * hidden * (width + 4) + 4 * tokens))
-    return int(share * ((6 if learned_positions else 5) * tokens * hidden * width + 2 * 3 * 4 * tokens))
+        return int(share * (2 * vocab * hidden * (width + 4) + 4 * tokens + 2 * 4 * positions * hidden))
+    return int(share * ((6 if positions else 5) * tokens * hidden * width + 2 * 3 * 4 * tokens))
 
 
 def choose(layout: str, vocab: int, hidden: int, tokens: int, size: int, dtype: torch.dtype,
-           learned_positions: bool = False) -> str:
+           positions: int = 0) -> str:
     """``table`` or ``sequence``: ``layout`` itself, or for ``auto`` the one that moves fewer
     bytes (``sequence`` on one rank, where neither moves any)."""
     _check(layout)
@@ -69,7 +71,7 @@ def choose(layout: str, vocab: int, hidden: int, tokens: int, size: int, dtype: 
         return layout
     if size == 1:
         return "sequence"
-    table, sequence = (traffic(each, vocab, hidden, tokens, size, dtype, learned_positions)
+    table, sequence = (traffic(each, vocab, hidden, tokens, size, dtype, positions)
                        for each in ("table", "sequence"))
     return "table" if table < sequence else "sequence"
 
@@ -80,9 +82,17 @@ def _check(layout: str) -> None:
 
 
 def table_blocker(model: GPTModel) -> Optional[str]:
-    """Why ``model`` cannot take the table layout (a setting of megatron's that needs its own
-    embedding or output layer), or None."""
+    """Why ``model`` cannot take the table layout (a class other than the megatron ones it
+    replaces, or a setting that needs megatron's own embedding or output layer), or None."""
     config = model.config
+    swapped = [(model, GPTModel, TableGPTModel)]
+    if model.pre_process:
+        swapped.append((model.embedding, LanguageModelEmbedding, TableEmbedding))
+    if model.post_process:
+        swapped.append((model.output_layer, ColumnParallelLinear, TableOutputLayer))
+    for module, base, table in swapped:
+        if type(module) not in (base, table):
+            return f"{type(module).__name__} (the table layout replaces megatron's {base.__name__})"
     if getattr(model, "mtp_process", False):
         return "multi-token prediction (--mtp-num-layers)"
     if getattr(config, "defer_embedding_wgrad_compute", False):
@@ -249,9 +259,10 @@ def apply_vocab_layout(model: GPTModel, layout: str, tokens: Optional[int] = Non
     if layout == "auto":
         if tokens is None:
             raise ValueError("apply_vocab_layout: auto needs tokens (sequence length x micro-batch size)")
-        learned = model.pre_process and model.embedding.add_position_embedding
+        # every stage of a pipeline decides alike: from what the model is, not from what the stage holds
+        positions = model.max_sequence_length if model.position_embedding_type == "learned_absolute" else 0
         layout = choose(layout, model.vocab_size, model.config.hidden_size, tokens, group.size(),
-                        model.config.params_dtype, learned)
+                        model.config.params_dtype, positions)
         if layout == "table" and table_blocker(model) is not None:
             layout = "sequence"
     if layout == "sequence":
