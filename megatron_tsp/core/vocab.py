@@ -208,11 +208,11 @@ class TableEmbedding(LanguageModelEmbedding):
         if tokentype_ids is not None:
             raise NotImplementedError("TSP's table embedding: token types are not supported")
         run_forward_pre_hooks(self.word_embeddings)  # its weight is read, not called: streaming.py
-        embeddings = GatherTableLookup.apply(_own(input_ids, self.tp_group), self.word_embeddings.weight,
+        # looked up in [s, b] order: the activations come out [s, b, h], not transposed after
+        embeddings = GatherTableLookup.apply(_own(input_ids, self.tp_group).t(), self.word_embeddings.weight,
                                              self.tp_group)
         if self.add_position_embedding:
-            embeddings = embeddings + self.position_embeddings(_own(position_ids, self.tp_group))
-        embeddings = embeddings.transpose(0, 1).contiguous()
+            embeddings = embeddings + self.position_embeddings(_own(position_ids, self.tp_group).t())
         if self.config.fp32_residual_connection:
             embeddings = embeddings.float()
         with tensor_parallel.get_cuda_rng_tracker().fork():  # per rank, as megatron's sequence-parallel dropout
