@@ -8,7 +8,7 @@ TSP rides on Megatron-LM's tensor-parallel slot (docs/design.md section 6):
   arguments, and rejects flags TSP does not support with one line naming the flag; beside
   ``--tensor-model-parallel-size D`` (with or without ``--sequence-parallel``),
   ``--ring-mlp`` keeps Megatron-LM's attention and puts TSP's ring MLP in the layers;
-* :func:`add_tsp_args` declares ``--tsp-size`` and ``--ring-mlp`` for Megatron-LM's parser;
+* :func:`add_tsp_args` declares ``--tsp-size``, ``--ring-mlp`` and ``--tsp-vocab`` for Megatron-LM's parser;
 * :func:`zigzag_get_batch` wraps pretrain_gpt's ``get_batch`` so that its own
   ``forward_step`` feeds the TSP ranks the batch in zigzag order, and
   :func:`vocab_forward_step` its ``forward_step``, which puts the vocabulary ends in the
