@@ -56,7 +56,7 @@ def traffic(layout: str, vocab: int, hidden: int, tokens: int, size: int, dtype:
     all-reduces, twice a reduce-scatter's bytes) and its cross entropy's three ``[S, b]`` fp32
     all-reduces."""
     share = (size - 1) / size
-    width = torch.empty((), dtype=dtype).element_size()
+    width = dtype.itemsize
     if layout == "table":
         return int(share * (2 * vocab * hidden * (width + 4) + 4 * tokens + 2 * 4 * positions * hidden))
     return int(share * ((6 if positions else 5) * tokens * hidden * width + 2 * 3 * 4 * tokens))
@@ -240,14 +240,6 @@ class TableGPTModel(GPTModel):
         return loss.transpose(0, 1).contiguous()
 
 
-def _become(module: torch.nn.Module, cls: type) -> None:
-    """``module`` (exactly ``cls``'s megatron base class) runs ``cls``'s forward from now on."""
-    base = cls.__bases__[0]
-    if type(module) is not base and type(module) is not cls:
-        raise TypeError(f"TSP's table layout replaces megatron's {base.__name__}, not {type(module).__name__}")
-    module.__class__ = cls
-
-
 def apply_vocab_layout(model: GPTModel, layout: str, tokens: Optional[int] = None) -> str:
     """Put ``model`` (one pipeline stage of a TSP model) in ``layout`` and return the layout it
     took: ``table`` swaps its embedding, output layer and loss for the table layout's
@@ -255,26 +247,26 @@ def apply_vocab_layout(model: GPTModel, layout: str, tokens: Optional[int] = Non
     ``sequence`` leaves megatron's; ``auto`` (which needs ``tokens``, S b of a micro-batch)
     takes what :func:`choose` does, and ``sequence`` where :func:`table_blocker` objects."""
     _check(layout)
-    group = model.pg_collection.tp
+    asked = layout
     if layout == "auto":
         if tokens is None:
             raise ValueError("apply_vocab_layout: auto needs tokens (sequence length x micro-batch size)")
         # every stage of a pipeline decides alike: from what the model is, not from what the stage holds
         positions = model.max_sequence_length if model.position_embedding_type == "learned_absolute" else 0
-        layout = choose(layout, model.vocab_size, model.config.hidden_size, tokens, group.size(),
+        layout = choose(layout, model.vocab_size, model.config.hidden_size, tokens, model.pg_collection.tp.size(),
                         model.config.params_dtype, positions)
-        if layout == "table" and table_blocker(model) is not None:
-            layout = "sequence"
     if layout == "sequence":
         return layout
     blocker = table_blocker(model)
+    if blocker is not None and asked == "auto":
+        return "sequence"
     if blocker is not None:
         raise ValueError(f"--tsp-vocab table cannot be used with {blocker}; use --tsp-vocab sequence")
     if model.pre_process:
-        _become(model.embedding, TableEmbedding)
+        model.embedding.__class__ = TableEmbedding  # exactly megatron's class: table_blocker checked
         if model.embedding.add_position_embedding:
             model.embedding.position_embeddings.weight.sequence_parallel = True
     if model.post_process:
-        _become(model.output_layer, TableOutputLayer)
-        _become(model, TableGPTModel)
+        model.output_layer.__class__ = TableOutputLayer
+        model.__class__ = TableGPTModel
     return layout
