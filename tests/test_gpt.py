@@ -34,6 +34,32 @@ def test_tsp_trains_like_single_process(ranks, single, model, tsp):
     assert single[model][-1][0] < single[model][0][0]
 
 
+def prefetched_run(recompute):
+    """Train as :func:`run`, recording each attention forward whose backward's first K/V
+    re-gather the MLP after it posted (core/prefetch.py) and whether its backward took it."""
+    from megatron_tsp.core import attention
+    posted = []
+    original = attention.post_backward_regathers
+
+    def post(ctx):
+        original(ctx)
+        posted.append(ctx)
+
+    attention.post_backward_regathers = post
+    try:
+        history = run("tsp", "modern", steps=STEPS, tsp=2, recompute=recompute)
+    finally:
+        attention.post_backward_regathers = original
+    return history, len(posted), sum(ctx.prefetched == [] for ctx in posted)
+
+
+@pytest.mark.parametrize("recompute", [None, "full"])
+def test_the_mlp_backward_posts_the_attention_backwards_kv(ranks, single, recompute):
+    for history, posted, taken in ranks(2, prefetched_run, recompute):
+        assert_history_close(history, single["modern"])
+        assert posted == taken == 2 * 2 * STEPS  # layers x micro-batches x steps, each taken by its backward
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [

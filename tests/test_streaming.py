@@ -125,3 +125,18 @@ def test_the_chain_names_the_module_that_runs_next(recompute):
     assert chain.next_after(mlp1, backward=True) is attn1
     assert chain.next_after(attn1, backward=True) is (attn0 if recompute else mlp0)
     assert chain.next_after(attn0, backward=True) is None
+
+
+def test_an_attention_stashes_its_backwards_first_transfers_for_its_layers_mlp():
+    chain = LayerChain()
+    attn0, mlp0, attn1, attn2 = (_Module(chain, a) for a in (True, False, True, True))  # layer 1: megatron's MoE
+
+    def post():
+        return "posted"
+
+    chain.stash(attn0, post)
+    assert chain.claim(attn1) is None and chain.claim(mlp0) is None  # claimed by another: dropped
+    chain.stash(attn0, post)
+    assert chain.claim(mlp0) is post and chain.claim(mlp0) is None
+    chain.stash(attn1, post)  # the module after it is an attention: nothing is held for it
+    assert chain.claim(attn2) is None and chain._stashed is None

@@ -29,7 +29,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, replace
-from typing import Callable, List, NamedTuple, Optional, Tuple
+from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -368,13 +368,17 @@ class StreamAttentionHeads(torch.autograd.Function):
         ctx.args = replace(args, rope=None)  # the tables travel as saved tensors
         Saved(x, out, own, replicated, projections, lses, list(args.rope or ()),
               [] if sinks is None else [sinks]).save(ctx)
+        ctx.prefetched = []
+        if args.overlap and d_size > 1 and any(ctx.needs_input_grad):
+            args.chain.stash(args.module, lambda: post_backward_regathers(ctx))
         return y
 
     @staticmethod
     def backward(ctx, dy):
         saved = Saved.load(ctx)
         args: AttentionScheduleArgs = replace(ctx.args, rope=tuple(saved.rope) or None)
-        grads = HeadGroupGradients(args, dy, saved)
+        grads = HeadGroupGradients(args, dy, saved, ctx.prefetched)
+        ctx.prefetched = []
         d_size = args.kv_group.size()
         with comm.InFlight() as inflight:
             stream = WeightBroadcast(saved.own, args.weight_group, inflight, first=args.chain.take(args.module))
@@ -467,6 +471,30 @@ class HeadGroupInputs(NamedTuple):
     kv: object
 
 
+def regather_inputs(args: AttentionScheduleArgs, saved: Saved, r: int, inflight: comm.InFlight) -> HeadGroupInputs:
+    """Head group r's backward inputs: q, k, v from its saved projection, K/V gather started."""
+    mixed = saved.projections[r].detach().requires_grad_()
+    with torch.enable_grad():
+        q, k, v = args.split_heads(mixed, args.rope)
+    local = send_buffer(k.shape, k)
+    local[:, 0].copy_(k.detach())
+    local[:, 1].copy_(v.detach())
+    kv = GatherKV(local, args.kv_group, inflight) if args.kv_group.size() > 1 else local
+    return HeadGroupInputs(mixed, q, k, v, kv)
+
+
+def post_backward_regathers(ctx) -> None:
+    """Start the backward's first K/V re-gathers now, from the saved projections (called by
+    the MLP after this attention, as its own backward starts: :mod:`prefetch`): the head
+    groups the backward holds at its first stage (group 0 and, with overlap, group 1), so
+    that the backward holds no more K/V than it would, only sooner. Their transfers are
+    waited for where the backward reads them, on an :class:`~comm.InFlight` of their own."""
+    saved = Saved.load(ctx)
+    args = replace(ctx.args, rope=tuple(saved.rope) or None)
+    inflight = comm.InFlight()
+    ctx.prefetched = [regather_inputs(args, saved, 0, inflight)]
+
+
 class HeadGroupAttentionGrads(NamedTuple):
     """Backward, one head group after its attention backward: its weight shard, dq, its
     dK/dV being reduce-scattered to the token owners, and the fp32 buffer its weight
@@ -487,8 +515,8 @@ class HeadGroupGradients:
     :meth:`weights` (dx, dWqkv, reduce to the owner, once dK/dV are back). ``dx`` is summed
     over head groups inside its GEMMs, in fp32; the norm gradients in fp32."""
 
-    def __init__(self, args: AttentionScheduleArgs, dy, saved: Saved):
-        self.args, self.dy, self.saved = args, dy, saved
+    def __init__(self, args: AttentionScheduleArgs, dy, saved: Saved, prefetched: Sequence[HeadGroupInputs] = ()):
+        self.args, self.dy, self.saved, self.prefetched = args, dy, saved, list(prefetched)
         self.dy2d = dy.reshape(-1, dy.size(-1))
         self.x2d = saved.x.reshape(-1, saved.x.size(-1))
         self.out2d = saved.out.view(-1, saved.out.size(-1))
@@ -499,14 +527,9 @@ class HeadGroupGradients:
         self.d_sinks = torch.zeros_like(saved.sinks[0]) if args.softmax_type == "learnable" else None
 
     def inputs(self, r: int, inflight: comm.InFlight) -> HeadGroupInputs:
-        mixed = self.saved.projections[r].detach().requires_grad_()
-        with torch.enable_grad():
-            q, k, v = self.args.split_heads(mixed, self.args.rope)
-        local = send_buffer(k.shape, k)
-        local[:, 0].copy_(k.detach())
-        local[:, 1].copy_(v.detach())
-        kv = GatherKV(local, self.args.kv_group, inflight) if self.args.kv_group.size() > 1 else local
-        return HeadGroupInputs(mixed, q, k, v, kv)
+        if r < len(self.prefetched):
+            return self.prefetched[r]
+        return regather_inputs(self.args, self.saved, r, inflight)
 
     def attention(self, r: int, shard, inputs: HeadGroupInputs, stream: WeightBroadcast,
                   inflight: comm.InFlight) -> HeadGroupAttentionGrads:

@@ -182,6 +182,12 @@ class MLPScheduleArgs:
         if self.chain is not None:
             self.chain.post_next(self.module, backward)
 
+    def claim_backward_prefetch(self):
+        """What the attention before this MLP stashed for its backward (:mod:`prefetch`),
+        claimed always (so that nothing is held past this forward), used only with overlap."""
+        post = self.chain.claim(self.module) if self.chain is not None else None
+        return post if self.overlap else None
+
 
 class RotateMLPShards(torch.autograd.Function):
     """y_p = sum_j act(x_p W1_j^T + b1_j) W2_j^T over shards arriving on the ring, summed in
@@ -190,7 +196,8 @@ class RotateMLPShards(torch.autograd.Function):
     Each step t: post the ring exchange (this shard on, the next in; with ``overlap`` before
     computing, else after), compute with shard j = (p - t) mod D, take the next shard. The
     layer after this one gets its first shard posted during the last step
-    (:mod:`prefetch`). Saved: x_p and, per shard, this rank's fc1 output ``h_j`` (together 1/D
+    (:mod:`prefetch`); its backward starts by posting the K/V re-gather of the attention
+    backward that follows it (the same module's docstring). Saved: x_p and, per shard, this rank's fc1 output ``h_j`` (together 1/D
     of what one device would save), and its activation ``a_j`` with ``activation_grad``.
     Backward recomputes only the activation from ``h_j``, or nothing with ``a_j``;
     each shard's weight gradients are written into, then added to, the fp32 accumulator that
@@ -222,6 +229,8 @@ class RotateMLPShards(torch.autograd.Function):
                 ring.advance()
         ctx.args = args
         ctx.n_shard = len(own)
+        # the attention backward that runs right after this backward: its K/V re-gather
+        ctx.post_at_backward = args.claim_backward_prefetch()
         ctx.save_for_backward(x, *own, *hidden, *acts)
         return y.view(x.shape[:-1] + (args.hidden_size,)).to(x.dtype)
 
@@ -236,6 +245,9 @@ class RotateMLPShards(torch.autograd.Function):
         dx = None
         with comm.InFlight() as inflight:
             ring = WeightRing(own, args.weight_group, inflight, backward=True, first=args.first_transfer())
+            if ctx.post_at_backward is not None:
+                ctx.post_at_backward()
+                ctx.post_at_backward = None
             for t in range(d_size):
                 shard = ring.shard()
                 ring.start(t)

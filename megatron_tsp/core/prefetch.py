@@ -17,7 +17,15 @@ rank, so every rank posts the same collectives in the same order):
   recomputed (its forward runs again first), else MLP(l-1).
 
 A transfer taken by another module than the one it was posted for (a schedule this does not
-foresee) is waited for and dropped: it costs its bytes, never correctness. A posted shard is
+foresee) is waited for and dropped: it costs its bytes, never correctness.
+
+The attention backward's K/V re-gather depends on nothing the backward computes (only on
+what its forward saved), so it need not wait for the layer's input gradient either. An
+attention forward stashes the posting of its first head groups' re-gathers
+(:meth:`LayerChain.stash`); the MLP of its layer, whose forward runs next, claims it
+(:meth:`LayerChain.claim`) and posts it when its own backward starts: the K/V travel while
+the MLP's backward computes, on a link that carries only the MLP's weight ring then, and
+the attention backward, which runs right after it, finds them there. A posted shard is
 the next module's parameters as they are when posted: reading them runs that module's
 forward pre-hooks, where megatron's ``--overlap-param-gather`` waits for their all-gather
 (:func:`megatron_tsp.core.streaming.run_forward_pre_hooks`).
@@ -38,6 +46,7 @@ class LayerChain:
     def __init__(self) -> None:
         self._modules: List[weakref.ref] = []
         self._posted = None  # (module it was posted for, transfer)
+        self._stashed = None  # (module it was stashed for, the posting of a backward's first transfers)
         self.full_recompute = False
 
     def register(self, module) -> None:
@@ -71,6 +80,25 @@ class LayerChain:
         following = self.next_after(module, backward)
         if following is not None and following.weight_group.size() > 1 and self._posted is None:
             self._posted = (weakref.ref(following), following.post_first_transfer())
+
+    def stash(self, module, post) -> None:
+        """After ``module``'s forward: ``post()`` starts the first transfers of its backward,
+        for the module whose forward runs next and whose backward runs right before it
+        (attention(l) -> MLP(l)) to claim. Nothing is stashed when that module is not a
+        TSP one, so that nothing holds the forward's saved tensors longer."""
+        i = self._index(module)
+        following = self._modules[i + 1]() if i is not None and i + 1 < len(self._modules) else None
+        mlp = following is not None and not getattr(following, "is_tsp_attention", False)
+        self._stashed = (weakref.ref(following), post) if mlp else None
+
+    def claim(self, module):
+        """In ``module``'s forward: what was stashed for it, to call when its backward starts
+        (None: nothing)."""
+        if self._stashed is None:
+            return None
+        target, post = self._stashed
+        self._stashed = None
+        return post if target() is module else None
 
     def take(self, module):
         """The transfer posted for ``module`` (None: post your own). One posted for another

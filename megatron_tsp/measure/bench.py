@@ -33,7 +33,7 @@ import torch.distributed as dist
 from megatron_tsp.core.sizes import DEFAULT_CP
 from megatron_tsp.env import run_record
 from megatron_tsp.errors import UserError
-from megatron_tsp.measure import counts, figures, memory
+from megatron_tsp.measure import counts, figures, gloo, memory
 from megatron_tsp.run import config as cfg
 from megatron_tsp.run.build import initialize, stepper
 from megatron_tsp.run.config import at_seq_length
@@ -66,7 +66,13 @@ def _args(values: Dict, mode: str, seq: int):
 def _block(values: Dict, mode: str, seq: int, steps: int, warmup: int) -> Dict:
     """On every rank of the job: build the model for ``mode``; its first step's loss, then
     ``warmup`` more untimed steps, one counted step and ``steps`` timed steps, each on a new
-    batch."""
+    batch. On gloo every mode's reduce-scatters and reduces move what they would on a GPU
+    (:mod:`megatron_tsp.measure.gloo`)."""
+    with gloo.direct_reductions():
+        return _timed_block(values, mode, seq, steps, warmup)
+
+
+def _timed_block(values: Dict, mode: str, seq: int, steps: int, warmup: int) -> Dict:
     device = rank_device()
     args = _args(values, mode, seq)
     initialize(args, device)

@@ -1,0 +1,96 @@
+"""gloo's reduce-scatter and reduce, moving the bytes NCCL and RCCL move.
+
+gloo runs ``reduce_scatter_tensor`` as an all-reduce of the whole input, and ``reduce`` with
+more traffic still: on loopback at D=2, 2.1x and 2.6x the bytes of the GPU libraries' ring
+((D-1)/D of the input sent per rank; (D-1) n into the root), against 1.0x for its
+all-gather, all-reduce and broadcast (``tests/test_gloo.py`` counts them). The CPU
+benchmarks stand in for a GPU link, so every mode's reduce-scatters (TP+SP's layers, TSP's
+dK/dV and vocabulary rows, the distributed optimizer) and reduces (TSP's weight gradients)
+would pay for gloo's algorithm, not for what they move. Inside :func:`direct_reductions`,
+on a gloo group:
+
+* reduce-scatter = an all-to-all of the D slices, summed where they land;
+* reduce = a gather to the root, summed there.
+
+Both are asynchronous like the originals (the sum runs when the transfer completes, and the
+returned work completes after it), give the same sum (at D=2 bit for bit: a + b in one
+rounding), and are counted by :mod:`counts` as the primitive they stand for. Other backends,
+and calls inside a coalescing block (megatron's DDP buckets), take the original.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d
+
+from megatron_tsp.run.compat import rebind_in_megatron
+
+REDUCE_SCATTER = ("reduce_scatter_tensor", "reduce_scatter_single", "_reduce_scatter_base")
+
+
+def _direct(group) -> bool:
+    group = group if group is not None else dist.group.WORLD
+    return dist.get_backend(group) == "gloo" and group not in distributed_c10d._world.pg_coalesce_state
+
+
+def _summed(work: dist.Work, parts: torch.Tensor, out: torch.Tensor) -> dist.Work:
+    """A work that completes once ``work`` has and ``out`` holds the sum of ``parts`` over dim 0."""
+    future = work.get_future().then(lambda _: torch.sum(parts, dim=0, out=out))
+    return torch._C._distributed_c10d._create_work_from_future(future)
+
+
+def _finish(work: dist.Work, async_op: bool):
+    if async_op:
+        return work
+    work.wait()
+    return None
+
+
+def _reduce_scatter(original):
+    def reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        if op != dist.ReduceOp.SUM or not _direct(group):
+            return original(output, input, op=op, group=group, async_op=async_op)
+        size = dist.get_world_size(group)
+        parts = output.new_empty((size,) + tuple(output.shape))
+        work = dist.all_to_all_single(parts, input.contiguous(), group=group, async_op=True)
+        return _finish(_summed(work, parts, output), async_op)
+
+    reduce_scatter.__wrapped__ = original
+    return reduce_scatter
+
+
+def _reduce(original):
+    def reduce(tensor, dst=None, op=dist.ReduceOp.SUM, group=None, async_op=False, **kwargs):
+        if op != dist.ReduceOp.SUM or not _direct(group):
+            return original(tensor, dst=dst, op=op, group=group, async_op=async_op, **kwargs)
+        root = dst if dst is not None else dist.get_global_rank(group or dist.group.WORLD, kwargs["group_dst"])
+        if dist.get_rank() != root:
+            return dist.gather(tensor, None, dst=root, group=group, async_op=async_op)
+        parts = tensor.new_empty((dist.get_world_size(group),) + tuple(tensor.shape))
+        work = dist.gather(tensor, list(parts.unbind(0)), dst=root, group=group, async_op=True)
+        return _finish(_summed(work, parts, tensor), async_op)
+
+    reduce.__wrapped__ = original
+    return reduce
+
+
+@contextlib.contextmanager
+def direct_reductions() -> Iterator[None]:
+    """Inside the block, ``torch.distributed``'s reduce-scatters and reduce (and the names
+    megatron bound to them at import) move on a gloo group what they move on a GPU."""
+    originals = {name: getattr(dist, name) for name in REDUCE_SCATTER + ("reduce",) if hasattr(dist, name)}
+    replacements = {name: (_reduce if name == "reduce" else _reduce_scatter)(fn) for name, fn in originals.items()}
+    for name, fn in replacements.items():
+        setattr(dist, name, fn)
+    changed = rebind_in_megatron({id(originals[name]): fn for name, fn in replacements.items()})
+    try:
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+        for owner, attr, fn in changed:
+            setattr(owner, attr, fn)
