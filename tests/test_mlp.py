@@ -151,7 +151,10 @@ def test_overlap_determinism_traffic_and_saved_memory(ranks, tsp_size):
         # only point-to-point: no all-reduce, no all-gather, no collective of any kind
         assert {p for prims in traffic.values() for p in prims} <= {"send_recv"}
         if tsp_size > 1:
-            assert traffic == expected
+            # this MLP is the whole model: its backward's first exchange travels as its forward ends
+            moved = volumes.backward_start_in_forward(expected, tsp_size)
+            assert moved["forward"] == shard_bytes
+            assert traffic == {phase: {"send_recv": n["send_recv"] + moved[phase]} for phase, n in expected.items()}
         assert saved <= single / tsp_size + 2 * shard_bytes
         # the largest saved activation is one shard's (gated) fc1 output for this rank's
         # tokens: [S/D, b, 2f/D], never anything of the whole sequence

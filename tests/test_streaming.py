@@ -109,9 +109,10 @@ def test_gradients_reach_main_grad_without_rounding():
 
 
 class _Module:
-    def __init__(self, chain, attention, recompute=None):
+    def __init__(self, chain, attention, recompute=None, pipeline=1):
         self.is_tsp_attention = attention
-        self.config = type("Config", (), {"recompute_granularity": recompute})()
+        self.config = type("Config", (), {"recompute_granularity": recompute,
+                                          "pipeline_model_parallel_size": pipeline})()
         chain.register(self)
 
 
@@ -121,10 +122,16 @@ def test_the_chain_names_the_module_that_runs_next(recompute):
     attn0, mlp0, attn1, mlp1 = (_Module(chain, a, recompute) for a in (True, False, True, False))
     assert chain.next_after(attn0, backward=False) is mlp0
     assert chain.next_after(mlp0, backward=False) is attn1
-    assert chain.next_after(mlp1, backward=False) is None
+    # the forward's end: the backward that follows starts with the last MLP, or recomputes the last layer
+    assert chain.next_after(mlp1, backward=False) is (attn1 if recompute else mlp1)
+    assert chain.next_after(mlp1, backward=False, then_backward=False) is None
     assert chain.next_after(mlp1, backward=True) is attn1
     assert chain.next_after(attn1, backward=True) is (attn0 if recompute else mlp0)
     assert chain.next_after(attn0, backward=True) is None
+    pipelined = LayerChain()  # a stage's forward is followed by other micro-batches' passes
+    _Module(pipelined, True, recompute, pipeline=2)
+    last = _Module(pipelined, False, recompute, pipeline=2)
+    assert pipelined.next_after(last, backward=False) is None
 
 
 def test_an_attention_stashes_its_backwards_first_transfers_for_its_layers_mlp():

@@ -49,7 +49,8 @@ def test_tsp_counts_match_the_formula(shared, layout):
     ends = volumes.vocabulary_ends(layout, SEQ, args.micro_batch_size, args.hidden_size, padded_vocab(args), D, e=4)
     for phase in ("forward", "backward"):
         assert _bytes(comm, "tsp_weight", phase, "broadcast") == LAYERS * attn[phase]["broadcast"]
-        assert _bytes(comm, "tsp_weight", phase, "send_recv") == LAYERS * mlp[phase]["send_recv"]
+        assert _bytes(comm, "tsp_weight", phase, "send_recv") == LAYERS * mlp[phase]["send_recv"] + \
+            volumes.backward_start_in_forward(mlp, D)[phase]
         for primitive in ("all_gather", "reduce_scatter"):  # K/V and the vocabulary ends on the TSP group
             assert _bytes(comm, "tsp", phase, primitive) == \
                 LAYERS * attn[phase].get(primitive, 0) + ends[phase].get(primitive, 0), (phase, primitive)
@@ -86,4 +87,5 @@ def test_ring_mlp_moves_weights_instead_of_activations(shared):
         for primitive in ("all_gather", "reduce_scatter"):
             attention_only = LAYERS * layer[phase][primitive] // 2
             assert _bytes(comm, "tp", phase, primitive) == attention_only + extra[primitive], (phase, primitive)
-        assert _bytes(comm, "tsp_weight", phase, "send_recv") == LAYERS * mlp[phase]["send_recv"]
+        assert _bytes(comm, "tsp_weight", phase, "send_recv") == LAYERS * mlp[phase]["send_recv"] + \
+            volumes.backward_start_in_forward(mlp, D)[phase]

@@ -349,7 +349,7 @@ class StreamAttentionHeads(torch.autograd.Function):
                 if args.overlap:
                     stream.start(r + 1 + ahead)
                     if r == d_size - 1:  # the next layer's first shard travels during this last group
-                        args.chain.post_next(args.module, backward=False)
+                        args.chain.post_next(args.module, backward=False, then_backward=any(ctx.needs_input_grad))
                     upcoming = project(r + 1) if r + 1 < d_size else None
                 o = out[..., args.columns(r)].view(out.shape[:2] + (-1, args.head_dim))
                 for i, (rows, blocks) in enumerate(args.chunks):  # the first chunk's keys arrive first

@@ -178,9 +178,9 @@ class MLPScheduleArgs:
     def first_transfer(self):
         return self.chain.take(self.module) if self.chain is not None else None
 
-    def post_next(self, backward: bool) -> None:
+    def post_next(self, backward: bool, then_backward: bool = True) -> None:
         if self.chain is not None:
-            self.chain.post_next(self.module, backward)
+            self.chain.post_next(self.module, backward, then_backward)
 
     def claim_backward_prefetch(self):
         """What the attention before this MLP stashed for its backward (:mod:`prefetch`),
@@ -194,7 +194,9 @@ class RotateMLPShards(torch.autograd.Function):
     fp32 inside the fc2 GEMMs and rounded once.
 
     Each step t: post the ring exchange (this shard on, the next in; with ``overlap`` before
-    computing, else after), compute with shard j = (p - t) mod D, take the next shard. The
+    computing, else after), compute with shard j = (p - t) mod D, take the next shard.
+    Backward takes the steps in :meth:`WeightRing.steps` order, this rank's own shard last,
+    so that the last gradient hop travels while the owner computes its own part. The
     layer after this one gets its first shard posted during the last step
     (:mod:`prefetch`); its backward starts by posting the K/V re-gather of the attention
     backward that follows it (the same module's docstring). Saved: x_p and, per shard, this rank's fc1 output ``h_j`` (together 1/D
@@ -219,7 +221,7 @@ class RotateMLPShards(torch.autograd.Function):
                 if not args.overlap:
                     ring.wait_all()
                 elif t == d_size - 1:
-                    args.post_next(backward=False)
+                    args.post_next(backward=False, then_backward=any(ctx.needs_input_grad))
                 h = F.linear(x, *shard[:-1])
                 a = args.activation(h)
                 y = gemm(a.reshape(-1, a.size(-1)), shard[-1].t(), out=y, accumulate=y is not None)
@@ -245,15 +247,21 @@ class RotateMLPShards(torch.autograd.Function):
         dx = None
         with comm.InFlight() as inflight:
             ring = WeightRing(own, args.weight_group, inflight, backward=True, first=args.first_transfer())
+            ring.first()
             if ctx.post_at_backward is not None:
                 ctx.post_at_backward()
                 ctx.post_at_backward = None
-            for t in range(d_size):
-                shard = ring.shard()
-                ring.start(t)
+            for t in ring.steps():  # 1, ..., D-1, then this rank's own shard
+                if t == 0:
+                    ring.last_hop()
+                    shard = own
+                else:
+                    ring.advance()
+                    shard = ring.shard()
+                    ring.start(t)
                 if not args.overlap:
                     ring.wait_all()
-                elif t == d_size - 1:
+                elif t == d_size - 1:  # the next module's first shard: during this and the own step
                     args.post_next(backward=True)
                 j = ring.shard_index(t)
                 if acts:
@@ -277,6 +285,5 @@ class RotateMLPShards(torch.autograd.Function):
                         torch.sum(d_h2d, dim=0, dtype=torch.float32, out=b1[0])
                 gemm_t(dy2d, a.detach().reshape(-1, a.size(-1)), out=w2, accumulate=add)
                 ring.finish_grad(t, flat)
-                ring.advance()
             own_grad = ring.own_grad()
         return (None, dx.view_as(x).to(x.dtype), *deliver_grads(own, own_grad))

@@ -12,7 +12,9 @@ Which module runs next is known from the pass and the recompute setting (the sam
 rank, so every rank posts the same collectives in the same order):
 
 * forward: attention(l) -> MLP(l) -> attention(l+1); a recomputed MLP(l) (inside the
-  backward pass) -> its own backward;
+  backward pass) -> its own backward; the last MLP of a model that is not pipelined (its
+  backward follows its forward) -> its own backward, or with whole layers recomputed the
+  last layer's attention, recomputed first;
 * backward: MLP(l) -> attention(l); attention(l) -> attention(l-1) when whole layers are
   recomputed (its forward runs again first), else MLP(l-1).
 
@@ -48,10 +50,13 @@ class LayerChain:
         self._posted = None  # (module it was posted for, transfer)
         self._stashed = None  # (module it was stashed for, the posting of a backward's first transfers)
         self.full_recompute = False
+        self.backward_follows = False  # the last module's backward runs right after its forward
 
     def register(self, module) -> None:
         self._modules.append(weakref.ref(module))
-        self.full_recompute = getattr(module.config, "recompute_granularity", None) == "full"
+        config = module.config
+        self.full_recompute = getattr(config, "recompute_granularity", None) == "full"
+        self.backward_follows = getattr(config, "pipeline_model_parallel_size", 1) == 1
 
     def _index(self, module) -> Optional[int]:
         for i, ref in enumerate(self._modules):
@@ -59,8 +64,10 @@ class LayerChain:
                 return i
         return None
 
-    def next_after(self, module, backward: bool):
-        """The module that runs after ``module``'s pass (``backward``), or None at the end."""
+    def next_after(self, module, backward: bool, then_backward: bool = True):
+        """The module that runs after ``module``'s pass (``backward``), or None at the end.
+        ``then_backward``: a backward pass follows this forward (else the forward's end is
+        the end)."""
         i = self._index(module)
         if i is None:
             return None
@@ -69,15 +76,17 @@ class LayerChain:
             if not attention and torch._C._current_graph_task_id() != -1:  # MLP recomputed in backward
                 return module
             j = i + 1
+            if j == len(self._modules) and then_backward and self.backward_follows and not attention:
+                return self._modules[-2]() if self.full_recompute else module
         elif not attention:
             j = i - 1  # MLP(l) -> attention(l)
         else:
             j = i - 2 if self.full_recompute else i - 1  # attention(l) -> attention(l-1) or MLP(l-1)
         return self._modules[j]() if 0 <= j < len(self._modules) else None
 
-    def post_next(self, module, backward: bool) -> None:
+    def post_next(self, module, backward: bool, then_backward: bool = True) -> None:
         """During ``module``'s last stage: post the first transfer of the module after it."""
-        following = self.next_after(module, backward)
+        following = self.next_after(module, backward, then_backward)
         if following is not None and following.weight_group.size() > 1 and self._posted is None:
             self._posted = (weakref.ref(following), following.post_first_transfer())
 

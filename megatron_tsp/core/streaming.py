@@ -13,10 +13,10 @@ ring-flash-attention's ``RingComm`` does:
 * :class:`WeightBroadcast` (attention; shard r from its owner r, all ranks together):
   ``start(r)``, ``wait(r)``, ``release(r)``; gradients: ``grad_buffer()``,
   ``reduce(r, flat)``, ``own_grad()``;
-* :class:`WeightRing` (MLP; at step t rank p holds shard ``(p - t) mod D``): ``start(t)``
-  (send the current shard to p+1, receive the next from p-1; in backward also the gradient
-  accumulator), ``advance()``; gradients: ``grad_buffer(t)``, ``finish_grad(t, flat)``,
-  ``own_grad()``.
+* :class:`WeightRing` (MLP; at step t rank p holds shard ``(p - t) mod D``, in the order
+  ``steps()``): ``start(t)`` (send the current shard to p+1, receive the next from p-1; in
+  backward also the gradient accumulators), ``advance()``; backward also ``first()`` and
+  ``last_hop()``; gradients: ``grad_buffer(t)``, ``finish_grad(t, flat)``, ``own_grad()``.
 
 The first transfer of a layer's stream may already be in flight when the layer starts: the
 layer before it started it during its last stage (:mod:`megatron_tsp.core.prefetch`). A
@@ -172,13 +172,16 @@ class WeightRing:
     the next from p-1 (not on the last step: every link carries a different shard, no
     collective barrier), and in backward the gradient accumulators (below); ``shard()`` is
     the current shard, ``advance()`` makes the next one current once it has arrived.
-    ``first`` is step 0's transfer already posted (by the layer before: :mod:`prefetch`).
+    ``first`` is the first exchange (own shard out, p-1's in) already posted (by the layer
+    before: :mod:`prefetch`). Forward runs steps 0, 1, ..., D-1.
 
-    Backward: the accumulator of shard j travels one step behind the weights. Its owner keeps
-    its own contribution (step 0, ``grad_buffer(0)``); the next holder starts it (step 1, a
-    fresh buffer), every later holder receives it during its step and adds its contribution
-    into it (``grad_buffer(t)`` waits for it), and it reaches the owner after D-1 hops, the
-    last one after the loop (``own_grad()``)."""
+    Backward runs steps 1, ..., D-1 and then 0, this rank's own shard last: the gradients
+    that travel are formed first, and the last hop is in flight while the owner forms its
+    own part. The accumulator of shard j is started by its first holder after the owner
+    (step 1, a fresh buffer, ``grad_buffer(1)``); every later holder receives it during its
+    step and adds its contribution (``grad_buffer(t)`` waits for it); the holder at step
+    D-1 sends it on to the owner (``last_hop()``), which writes its own part into a fresh
+    buffer (``grad_buffer(0)``) and adds what arrived (``own_grad()``)."""
 
     def __init__(self, own: Sequence[torch.Tensor], group: dist.ProcessGroup, inflight: comm.InFlight,
                  backward: bool = False, first: Optional[Tuple[torch.Tensor, comm.Handle]] = None):
@@ -199,11 +202,17 @@ class WeightRing:
     @staticmethod
     def post(own: Sequence[torch.Tensor], group: dist.ProcessGroup, current: Optional[torch.Tensor] = None,
              inflight: Optional[comm.InFlight] = None):
-        """Post step 0's weight transfer over ``group``: (the packed own shard, the receive
+        """Post the first weight exchange over ``group``: (the packed own shard, the receive
         buffer, the work)."""
         current = pack(own) if current is None else current
         incoming = torch.empty_like(current)
         return current, incoming, _exchange(group, [(current, 1)], [(incoming, -1)], inflight)
+
+    def steps(self) -> List[int]:
+        """The order of the steps: 0..D-1 forward; 1..D-1, then 0, backward."""
+        if self.backward and self.size > 1:
+            return list(range(1, self.size)) + [0]
+        return list(range(self.size))
 
     def shard_index(self, t: int) -> int:
         return (self.rank - t) % self.size
@@ -212,20 +221,22 @@ class WeightRing:
         return self.own if self.current is None else unpack(self.current, self.own)
 
     def start(self, t: int) -> None:
+        """Post step t's transfers: the next shard (forward: after step t; backward: the
+        first one before step 1, then after step t < D-1), and in backward the accumulator
+        step t adds into (t >= 2) with the one step t-1 finished."""
         if self.size == 1:
             return
         sends, recvs = [], []
-        if t < self.size - 1 and self._incoming is None:
+        incoming = None
+        if self._incoming is None and (t < self.size - 1 if not self.backward else 1 <= t < self.size - 1):
             incoming = torch.empty_like(self.current)
             sends.append((self.current, 1))
             recvs.append((incoming, -1))
-        else:
-            incoming = None
         acc_in = None
-        if self.backward and t >= 1:
+        if self.backward:
             if self._acc_out is not None:
                 sends.append((self._acc_out, 1))
-            if t >= 2 or t == self.size:  # t == size: the last hop, to the owners
+            if t >= 2:
                 acc_in = torch.empty(numel(self.own), dtype=torch.float32, device=self.current.device)
                 recvs.append((acc_in, -1))
         works = _exchange(self.group, sends, recvs, self.inflight)
@@ -234,6 +245,18 @@ class WeightRing:
         if acc_in is not None:
             self._acc_in = (acc_in, works)
         self._acc_out = None
+
+    def first(self) -> None:
+        """Backward, before step 1: the first exchange (own shard out, p-1's in), unless posted."""
+        if self.size > 1 and self._incoming is None:
+            self._incoming = self.post(self.own, self.group, self.current, self.inflight)[1:]
+
+    def last_hop(self) -> None:
+        """Backward, after step D-1: the finished accumulator to its owner, this rank's own in."""
+        if self.size > 1:
+            acc_in = torch.empty(numel(self.own), dtype=torch.float32, device=self.current.device)
+            self._acc_in = (acc_in, _exchange(self.group, [(self._acc_out, 1)], [(acc_in, -1)], self.inflight))
+            self._acc_out = None
 
     def advance(self) -> None:
         """The next shard, once its transfer has arrived, becomes the current one."""
@@ -266,9 +289,8 @@ class WeightRing:
             self._acc_out = flat
 
     def own_grad(self) -> torch.Tensor:
-        """The summed gradient of this rank's shard: the last hop, then the owner's own part."""
+        """The summed gradient of this rank's shard: its own part, plus what the last hop brought."""
         if self.size > 1:
-            self.start(self.size)
             acc_in, works = self._acc_in
             self.inflight.wait(works)
             self._own_grad.add_(acc_in)
