@@ -133,8 +133,12 @@ class TSPSelfAttention(SelfAttention):
         return [p for m in (self.q_layernorm, self.k_layernorm) if m is not None for p in m.parameters()]
 
     def post_first_transfer(self):
-        """Post this layer's first transfer (head group 0's shard): :mod:`prefetch`."""
-        return WeightBroadcast.post(self.shard_tensors(), self.weight_group, 0)
+        """Post this layer's first transfers, the shards its stream starts with (head groups
+        0..lookahead): :mod:`prefetch`."""
+        own = self.shard_tensors()
+        posted = {r: WeightBroadcast.post(own, self.weight_group, r)
+                  for r in range(min(1 + self.lookahead, self.weight_group.size()))}
+        return posted, [work for _, work in posted.values()]
 
     # ---- the local stage of one head group ---------------------------------------------
     def rope_tables(self, freqs: Optional[torch.Tensor], dtype: torch.dtype) -> Rope:

@@ -3,8 +3,9 @@ this one's last stage computes, so that the stream does not drain at every layer
 
 Each TSP module of a model (attention and MLP, in layer order) registers with the model's
 :class:`LayerChain` (the layer spec passes one to all of its modules). A module's first
-transfer is the same whichever pass runs it: attention starts with the broadcast of head
-group 0's shard, the MLP ring with the exchange of its own shard for its neighbour's. So when
+transfer is the same whichever pass runs it: attention starts with the broadcasts of the
+shards its stream starts with (head groups 0..lookahead), the MLP ring with the exchange of
+its own shard for its neighbour's. So when
 a module reaches its last stage it posts that first transfer for the module that runs next,
 and the next module takes it instead of posting its own (:meth:`LayerChain.take`).
 

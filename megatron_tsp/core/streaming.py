@@ -101,19 +101,20 @@ class WeightBroadcast:
     tensors) once it has arrived, ``release(r)`` lets its buffer go. Gradients: the caller
     writes its fp32 partial gradient of shard r into ``grad_buffer()`` and ``reduce(r, flat)``
     posts ``reduce(dst=r)``; at most two reduces are in flight, and ``own_grad()`` returns the
-    summed gradient of this rank's shard. ``first`` is a broadcast of shard 0 already posted
-    (by the layer before: :mod:`prefetch`)."""
+    summed gradient of this rank's shard. ``first``: the broadcasts of the first shards
+    already posted (by the layer before: :mod:`prefetch`), ``({r: (buffer, work)}, works)``."""
 
     def __init__(self, own: Sequence[torch.Tensor], group: dist.ProcessGroup, inflight: comm.InFlight,
-                 first: Optional[Tuple[torch.Tensor, comm.Handle]] = None):
+                 first: Optional[Tuple[Dict[int, Tuple[torch.Tensor, comm.Handle]], List[dist.Work]]] = None):
         self.own = list(own)
         self.group = group
         self.size, self.rank = group.size(), group.rank()
         self.inflight = inflight
         self._arriving: Dict[int, Tuple[torch.Tensor, comm.Handle]] = {}
         if first is not None:
-            self._arriving[0] = first
-            inflight.add(first[1])
+            shards, works = first
+            self._arriving.update(shards)
+            inflight.add(works)
         self._reducing: List[Tuple[int, torch.Tensor, comm.Handle]] = []
         self._own_grad: Optional[torch.Tensor] = None
 
