@@ -25,6 +25,7 @@ send / recv          n per recv                           n per send
 
 from __future__ import annotations
 
+import time
 from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -56,6 +57,17 @@ def traffic(primitive: str, n: int, group_size: int, root: bool = False) -> Tupl
 
 Handle = Optional[Union[dist.Work, List[dist.Work]]]
 
+_observer = None
+
+
+def observe(observer):
+    """Let ``observer`` see the transfers every :class:`InFlight` posts and waits for (None:
+    nobody): its ``posted(work)`` as one starts, ``waited(work, seconds)`` after each wait
+    for one (:mod:`megatron_tsp.measure.waits`). Returns the observer it replaces."""
+    global _observer
+    previous, _observer = _observer, observer
+    return previous
+
 
 class InFlight:
     """The asynchronous transfers of one schedule (one layer's forward or backward).
@@ -71,6 +83,8 @@ class InFlight:
     def add(self, handle: Handle) -> Handle:
         for work in _works(handle):
             self._handles.append(work)
+            if _observer is not None:
+                _observer.posted(work)
         return handle
 
     def wait(self, handle: Handle) -> None:
@@ -78,7 +92,12 @@ class InFlight:
         schedule never started is an error, not a read before arrival)."""
         for work in _works(handle):
             if work in self._handles:
-                work.wait()
+                if _observer is None:
+                    work.wait()
+                else:
+                    start = time.perf_counter()
+                    work.wait()
+                    _observer.waited(work, time.perf_counter() - start)
                 self._handles.remove(work)
                 self._done.append(work)
             elif work not in self._done:

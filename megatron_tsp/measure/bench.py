@@ -33,7 +33,7 @@ import torch.distributed as dist
 from megatron_tsp.core.sizes import DEFAULT_CP
 from megatron_tsp.env import run_record
 from megatron_tsp.errors import UserError
-from megatron_tsp.measure import counts, figures, gloo, memory
+from megatron_tsp.measure import counts, figures, gloo, memory, waits
 from megatron_tsp.run import config as cfg
 from megatron_tsp.run.build import initialize, stepper
 from megatron_tsp.run.config import at_seq_length
@@ -65,7 +65,8 @@ def _args(values: Dict, mode: str, seq: int):
 
 def _block(values: Dict, mode: str, seq: int, steps: int, warmup: int) -> Dict:
     """On every rank of the job: build the model for ``mode``; its first step's loss, then
-    ``warmup`` more untimed steps, one counted step and ``steps`` timed steps, each on a new
+    ``warmup`` more untimed steps, one counted step (its collectives counted and its waits
+    for TSP's transfers profiled: :mod:`waits`) and ``steps`` timed steps, each on a new
     batch. On gloo every mode's reduce-scatters and reduces move what they would on a GPU
     (:mod:`megatron_tsp.measure.gloo`)."""
     with gloo.direct_reductions():
@@ -80,7 +81,7 @@ def _timed_block(values: Dict, mode: str, seq: int, steps: int, warmup: int) -> 
     first_loss = step()["loss"]
     for _ in range(warmup):
         step()
-    with counts.count_collectives() as records:
+    with counts.count_collectives() as records, waits.WaitProfile() as profile:
         step()
     times = []
     for _ in range(steps):
@@ -91,7 +92,8 @@ def _timed_block(values: Dict, mode: str, seq: int, steps: int, warmup: int) -> 
         dist.barrier()
         times.append(time.perf_counter() - t0)
     received = sum(v for phases in counts.totals(records).values() for v in phases.values())
-    return {"step_s": times, "bytes_received": received, "first_step_loss": first_loss}
+    return {"step_s": times, "bytes_received": received, "first_step_loss": first_loss,
+            "waits": profile.summary()}
 
 
 def _memory(values: Dict, mode: str, seq: int) -> float:
@@ -132,13 +134,15 @@ def _grid(values: Dict, seqs: List[int], modes: List[str], repeats: int, steps: 
     for seq in seqs:
         blocks = {mode: [] for mode in modes}
         first_losses = {mode: [] for mode in modes}
-        bytes_moved = {}
+        bytes_moved, wait_profiles = {}, {}
         for _ in range(repeats):
             for mode in modes:  # interleaved
-                out = runner(_block, values, mode, seq, steps, warmup)[0]
+                per_rank = runner(_block, values, mode, seq, steps, warmup)
+                out = per_rank[0]
                 blocks[mode].append(statistics.median(out["step_s"]))
                 first_losses[mode].append(out["first_step_loss"])
                 bytes_moved[mode] = out["bytes_received"]
+                wait_profiles[mode] = [rank["waits"] for rank in per_rank]
         check_same_loss(first_losses, seq, loss_rtol(values))
         entry = {}
         for mode in modes:
@@ -146,7 +150,8 @@ def _grid(values: Dict, seqs: List[int], modes: List[str], repeats: int, steps: 
             entry[mode] = {"step_s_median": statistics.median(meds), "step_s_min": min(meds),
                            "step_s_max": max(meds), "block_medians": meds,
                            "first_step_loss": first_losses[mode][0],
-                           "bytes_received_per_step": bytes_moved[mode]}
+                           "bytes_received_per_step": bytes_moved[mode],
+                           "waits_per_rank": wait_profiles[mode]}
             if peak_memory:
                 entry[mode]["peak_gib"] = runner(_memory, values, mode, seq)[0]
         for base in REFERENCES:
@@ -368,7 +373,23 @@ def table(result: Dict) -> str:
                          f"{1e3 * r['step_s_max']:.1f} | {vs} | {r['first_step_loss']:.6f} | "
                          f"{r['bytes_received_per_step'] / 2**20:.2f} | {r['peak_gib'] * 1024:.1f} |")
     lines.append("\n" + _crossover_line(result["crossover_seq_length"]))
-    return "\n".join(lines)
+    return "\n".join(lines + _wait_lines(result["results"]))
+
+
+def _wait_lines(results: Dict, label: str = "", top: int = 5) -> List[str]:
+    """The longest waits of each mode's profiled step (its last block; :mod:`waits`), per rank."""
+    lines = []
+    for seq, entry in results.items():
+        for mode, r in entry.items():
+            for rank, rows in enumerate(r.get("waits_per_rank") or []):
+                if not rows:
+                    continue
+                total = sum(row["wait_ms"] for row in rows)
+                lines.append(f"\n{label}S={seq}, {mode}, rank {rank}: waits for transfers {total:.0f} ms in the "
+                             f"profiled step; the longest:\n\n| posted at | waited at | waits | ms |\n|---|---|---|---|")
+                lines += [f"| {w['posted_at']} | {w['waited_at']} | {w['waits']} | {w['wait_ms']:.1f} |"
+                          for w in rows[:top]]
+    return lines
 
 
 def link_table(result: Dict) -> str:
@@ -401,6 +422,8 @@ def link_table(result: Dict) -> str:
         lines.append(f"S={seq}: TSP and TP+SP equally fast at a link of {', '.join(found)} per rank "
                      f"(TSP faster {side} it; model searched {c['searched_mb_s'][0]:.3g}-"
                      f"{c['searched_mb_s'][1]:.3g} MB/s)")
+    for name, at in result["links"].items():
+        lines += _wait_lines(at["results"], f"link {name}, ")
     return "\n".join(lines)
 
 
