@@ -377,11 +377,15 @@ def test_tsp_backward_runs_no_attention_forward(ranks, tsp_size):
     # rank 0, a full block before it. Backward (zigzag_backward_blocks): chunk 2D-1-p's causal
     # block, its full blocks before slot D (but on rank D-1) and from slot D+p (on rank 0 one
     # full block), both chunks' full block over slots D..D+p-1 (but on rank 0), and chunk p's
-    # causal block. At D=1 the sequence is one causal block.
+    # causal block; the last head group's cut at the edges of the rank's own key chunks, which
+    # run last (zigzag_own_keys_last). At D=1 the sequence is one causal block.
+    from megatron_tsp.core.block_attention import zigzag_own_keys_last
+
     d = tsp_size
     for rank, (forward, backward) in enumerate(ranks(tsp_size, _kernel_calls, tsp_size)):
         forward_blocks = 1 if d == 1 else d * (3 + (rank != 0))
-        backward_blocks = 1 if d == 1 else d * (3 if rank == 0 else 4 + (rank + 1 < d))
+        backward_blocks = 1 if d == 1 else ((d - 1) * (3 if rank == 0 else 4 + (rank + 1 < d))
+                                            + len(zigzag_own_keys_last(d, rank, 1)[0]))
         assert forward == {"forward": forward_blocks, "backward": 0}
         assert backward == {"forward": 0, "backward": backward_blocks}
 

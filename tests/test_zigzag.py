@@ -80,6 +80,23 @@ def test_backward_blocks_compute_the_forwards_pairs_and_write_each_key_once_but_
         assert split == len(blocks) - 1 and min(keys[-1]) >= d * c
 
 
+@pytest.mark.parametrize("d", [2, 3, 4, 8])
+def test_own_keys_last_computes_the_same_pairs_and_sends_only_what_is_final(d):
+    """zigzag_own_keys_last: the backward's (query, key) pairs, each once; the blocks before
+    the split touch no key row of the rank's own chunks (slots r and D+r), those after touch
+    only those: one full block and two causal diagonals, about 1/D of the rank's work."""
+    from megatron_tsp.core.block_attention import zigzag_backward_blocks, zigzag_own_keys_last
+
+    c = 2
+    for r in range(d):
+        blocks, split = zigzag_own_keys_last(d, r, c)
+        assert sorted(_pairs(blocks)) == sorted(_pairs(zigzag_backward_blocks(d, r, c)[0]))
+        own = set(range(r * c, (r + 1) * c)) | set(range((d + r) * c, (d + r + 1) * c))
+        assert all(not own & set(range(k0, k1)) for _, _, k0, k1, _ in blocks[:split])
+        assert all(set(range(k0, k1)) <= own for _, _, k0, k1, _ in blocks[split:])
+        assert len(_pairs(blocks[split:])) == c * c + c * (c + 1)
+
+
 @pytest.mark.parametrize("backend", ["flash", "math"])  # a window's pieces: whole chunks, or cut for masks
 @pytest.mark.parametrize("d", [2, 3, 4])
 def test_window_blocks_compute_each_pair_in_the_window_once(d, backend):

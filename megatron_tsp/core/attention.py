@@ -54,6 +54,7 @@ from megatron_tsp.core.block_attention import (
     zigzag_backward_blocks,
     zigzag_blocks,
     zigzag_document_blocks,
+    zigzag_own_keys_last,
     zigzag_window_blocks,
 )
 from megatron_tsp.core.block_attention import blocks as global_blocks
@@ -218,6 +219,7 @@ class TSPSelfAttention(SelfAttention):
         d_size, rank = self.tsp_group.size(), self.tsp_group.rank()
         seq_len = hidden_states.size(0) * d_size
         documents = document_starts(packed_seq_params, hidden_states.size(1), seq_len, "TSPSelfAttention")
+        own_keys_last = None
         freqs = None
         if rotary_pos_emb is not None:
             if isinstance(rotary_pos_emb, tuple):
@@ -240,6 +242,7 @@ class TSPSelfAttention(SelfAttention):
         else:
             blocks = zigzag_blocks(d_size, rank, chunk, aligned)
             backward_blocks = zigzag_backward_blocks(d_size, rank, chunk)
+            own_keys_last = zigzag_own_keys_last(d_size, rank, chunk)
         starts = sorted({b[0] // chunk * chunk for b in blocks})  # a query chunk's blocks may cut it in pieces
         chunks = [(slice(q0, q0 + chunk), [(b[0] - q0, b[1] - q0, *b[2:]) for b in blocks if q0 <= b[0] < q0 + chunk])
                   for q0 in starts]
@@ -250,7 +253,7 @@ class TSPSelfAttention(SelfAttention):
             backend=backend, width=self.query_projection_size, head_dim=self.hidden_size_per_attention_head,
             kv_heads=self.num_query_groups_per_partition, has_bias=self.linear_qkv.bias is not None,
             overlap=self.overlap_comm, lookahead=self.lookahead,
-            chain=self.chain, module=self, softmax_type=self.config.softmax_type)
+            chain=self.chain, module=self, softmax_type=self.config.softmax_type, own_keys_last=own_keys_last)
         sink = []
         if self.config.softmax_type == "learnable":  # read, not called: its pre-hooks stand in (streaming.py)
             run_forward_pre_hooks(self.core_attention)
@@ -289,6 +292,7 @@ class AttentionScheduleArgs:
     chain: LayerChain
     module: object
     softmax_type: str = "vanilla"  # megatron's: vanilla, off-by-one (a sink logit 0), learnable (its parameter)
+    own_keys_last: Optional[Tuple[list, int]] = None  # :func:`zigzag_own_keys_last`, for the last head group
 
     def columns(self, r: int) -> slice:
         """Head group r's columns of the concatenated attention output O (and rows of
@@ -502,7 +506,9 @@ def post_backward_regathers(ctx) -> None:
 class HeadGroupAttentionGrads(NamedTuple):
     """Backward, one head group after its attention backward: its weight shard, dq, its
     dK/dV being reduce-scattered to the token owners, and the fp32 buffer its weight
-    gradients go into (the output projection's is written already)."""
+    gradients go into (the output projection's is written already). The last head group's
+    blocks against this rank's own keys may be still to run (``own_keys``: runs them into
+    the buffer it is given; :meth:`HeadGroupGradients.weights`)."""
 
     r: int
     shard: List[torch.Tensor]
@@ -510,6 +516,7 @@ class HeadGroupAttentionGrads(NamedTuple):
     dq: torch.Tensor
     dkv: object
     flat: torch.Tensor
+    own_keys: Optional[Callable[[torch.Tensor], None]] = None
 
 
 class HeadGroupGradients:
@@ -551,20 +558,44 @@ class HeadGroupGradients:
         scatter = ScatterKVGrads(dkv, args.kv_group, inflight) if spread else dkv
         n = len(args.chunks)
         lse = torch.cat(self.saved.lses[r * n:(r + 1) * n], dim=-1)
+        if self.d_sinks is not None:
+            self.d_sinks[r] += sink_grad(*bhsd(d_out, out), lse, self.saved.sinks[0][r])
+
+        def run(blocks, first, last, dkv, zero_untouched):
+            attend_backward_into(d_out, query, keys, values, out, lse, blocks, args.softmax_scale, args.backend,
+                                 dq, dkv[:, 0], dkv[:, 1], first, last, zero_untouched=zero_untouched)
+
+        if r == args.kv_group.size() - 1 and args.own_keys_last is not None:
+            # the last head group: nothing computes beside its dK/dV unless its own blocks do.
+            # The blocks against the other ranks' keys first; this rank's own rows of the
+            # buffer are zeros for the reduce-scatter, and its own blocks run into another
+            # buffer while it travels (:meth:`weights` adds them to what arrives).
+            blocks, split = args.own_keys_last
+            run(blocks, 0, split, dkv, fresh)
+            for rows in self._own_rows(dkv.size(0)):
+                dkv[rows].zero_()
+            scatter.post_second_halves()
+            scatter.post_first_halves()
+            return HeadGroupAttentionGrads(r, shard, inputs, dq, scatter, flat,
+                                           lambda target: run(blocks, split, len(blocks), target, False))
         blocks, split = args.backward_blocks
         # once the first blocks have run, every rank's second chunk of dK/dV is final and
         # travels while the rest run
         for first, last in ((0, split), (split, len(blocks))):
             if first < last:
-                attend_backward_into(d_out, query, keys, values, out, lse, blocks, args.softmax_scale, args.backend,
-                                     dq, dkv[:, 0], dkv[:, 1], first, last, zero_untouched=fresh and first == 0)
+                run(blocks, first, last, dkv, fresh and first == 0)
             if spread and first == 0:
                 scatter.post_second_halves()
-        if self.d_sinks is not None:
-            self.d_sinks[r] += sink_grad(*bhsd(d_out, out), lse, self.saved.sinks[0][r])
         if spread:
             scatter.post_first_halves()
         return HeadGroupAttentionGrads(r, shard, inputs, dq, scatter, flat)
+
+    def _own_rows(self, rows: int) -> Tuple[slice, slice]:
+        """This rank's two chunks in the zigzag layout of ``rows`` key rows: its second
+        (slot p) and its first (slot D+p), as :class:`ScatterKVGrads` hands them back."""
+        d, p = self.args.kv_group.size(), self.args.kv_group.rank()
+        c = rows // (2 * d)
+        return slice(p * c, (p + 1) * c), slice((d + p) * c, (d + p + 1) * c)
 
     def own_sink_grad(self) -> torch.Tensor:
         """This rank's head group's sink gradient: every rank's part of it, summed here."""
@@ -587,7 +618,16 @@ class HeadGroupGradients:
         return self._dkv[slot], False
 
     def weights(self, g: HeadGroupAttentionGrads, stream: WeightBroadcast) -> None:
+        own = None
+        if g.own_keys is not None:  # the group before it has its dK/dV back: its buffer is free
+            own = self._dkv[(g.r - 1) % 2]
+            g.own_keys(own)
         dk, dv = g.dkv.wait() if self.args.kv_group.size() > 1 else (g.dkv[:, 0], g.dkv[:, 1])
+        if own is not None:
+            second, first = self._own_rows(own.size(0))
+            c = second.stop - second.start
+            g.dkv.local[:c] += own[first]
+            g.dkv.local[c:] += own[second]
         key, value = g.inputs.key, g.inputs.value
         d_mixed, *d_norms = torch.autograd.grad(
             (g.inputs.query, key, value), (g.inputs.mixed, *self.saved.replicated),

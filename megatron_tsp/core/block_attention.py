@@ -178,6 +178,23 @@ def zigzag_backward_blocks(size: int, rank: int, chunk: int) -> Tuple[List[Block
     return out + [(0, c, (d + r) * c, (d + r + 1) * c, True)], len(out)
 
 
+def zigzag_own_keys_last(size: int, rank: int, chunk: int) -> Tuple[List[Block], int]:
+    """:func:`zigzag_backward_blocks` of rank ``rank`` reordered for a backward whose dK/dV
+    travel while it computes: first every block against the other ranks' key chunks, then
+    those against its own two (slots ``rank`` and D+rank, whose dK/dV stay here), and how
+    many come first. A full block across an own slot is cut at the slot's edges (exact: dq
+    sums over keys, dK/dV are per key row); causal blocks are one slot each. Once the first
+    ones have run, every row the reduce-scatter sends is final; the rest (1/D of the
+    compute) runs while it travels."""
+    own = [(rank * chunk, (rank + 1) * chunk), ((size + rank) * chunk, (size + rank + 1) * chunk)]
+    others, mine = [], []
+    for q0, q1, k0, k1, causal in zigzag_backward_blocks(size, rank, chunk)[0]:
+        cuts = sorted({k0, k1, *(x for a, b in own for x in (a, b) if k0 < x < k1)})
+        for a, b in zip(cuts, cuts[1:]):
+            (mine if any(o0 <= a and b <= o1 for o0, o1 in own) else others).append((q0, q1, a, b, causal))
+    return others + mine, len(others)
+
+
 def window_of(layer_number: int, config, where: str) -> int:
     """The causal sliding window of megatron's layer ``layer_number`` (1-based, global):
     ``config.window_size[0]``, the keys before a query that it sees, where megatron-core makes
