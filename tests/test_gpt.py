@@ -41,9 +41,9 @@ def prefetched_run(recompute):
     posted = []
     original = attention.post_backward_regathers
 
-    def post(ctx):
-        original(ctx)
+    def post(ctx, inflight):
         posted.append(ctx)
+        return original(ctx, inflight)
 
     attention.post_backward_regathers = post
     try:

@@ -109,9 +109,10 @@ def test_gradients_reach_main_grad_without_rounding():
 
 
 class _Module:
-    def __init__(self, chain, attention, recompute=None, pipeline=1):
+    def __init__(self, chain, attention, recompute=None, pipeline=1, method="uniform", layers=1):
         self.is_tsp_attention = attention
-        self.config = type("Config", (), {"recompute_granularity": recompute,
+        self.config = type("Config", (), {"recompute_granularity": recompute, "recompute_method": method,
+                                          "recompute_num_layers": layers,
                                           "pipeline_model_parallel_size": pipeline})()
         chain.register(self)
 
@@ -132,6 +133,10 @@ def test_the_chain_names_the_module_that_runs_next(recompute):
     _Module(pipelined, True, recompute, pipeline=2)
     last = _Module(pipelined, False, recompute, pipeline=2)
     assert pipelined.next_after(last, backward=False) is None
+    chunked = LayerChain()  # two layers per checkpoint: the first recomputed is not the last layer's
+    _Module(chunked, True, recompute, layers=2)
+    last = _Module(chunked, False, recompute, layers=2)
+    assert chunked.next_after(last, backward=False) is (None if recompute else last)
 
 
 def test_an_attention_stashes_its_backwards_first_transfers_for_its_layers_mlp():

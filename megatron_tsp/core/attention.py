@@ -253,7 +253,8 @@ class TSPSelfAttention(SelfAttention):
             backend=backend, width=self.query_projection_size, head_dim=self.hidden_size_per_attention_head,
             kv_heads=self.num_query_groups_per_partition, has_bias=self.linear_qkv.bias is not None,
             overlap=self.overlap_comm, lookahead=self.lookahead,
-            chain=self.chain, module=self, softmax_type=self.config.softmax_type, own_keys_last=own_keys_last)
+            chain=self.chain, module=self, softmax_type=self.config.softmax_type, own_keys_last=own_keys_last,
+            backward_follows=torch.is_grad_enabled() or self.config.recompute_granularity == "full")
         sink = []
         if self.config.softmax_type == "learnable":  # read, not called: its pre-hooks stand in (streaming.py)
             run_forward_pre_hooks(self.core_attention)
@@ -293,6 +294,7 @@ class AttentionScheduleArgs:
     module: object
     softmax_type: str = "vanilla"  # megatron's: vanilla, off-by-one (a sink logit 0), learnable (its parameter)
     own_keys_last: Optional[Tuple[list, int]] = None  # :func:`zigzag_own_keys_last`, for the last head group
+    backward_follows: bool = True  # grad mode at the call, or a recomputed layer's first pass
 
     def columns(self, r: int) -> slice:
         """Head group r's columns of the concatenated attention output O (and rows of
@@ -357,7 +359,8 @@ class StreamAttentionHeads(torch.autograd.Function):
                 if args.overlap:
                     stream.start(r + 1 + ahead)
                     if r == d_size - 1:  # the next layer's first shard travels during this last group
-                        args.chain.post_next(args.module, backward=False, then_backward=any(ctx.needs_input_grad))
+                        args.chain.post_next(args.module, backward=False,
+                                             then_backward=args.backward_follows and any(ctx.needs_input_grad))
                     upcoming = project(r + 1) if r + 1 < d_size else None
                 o = out[..., args.columns(r)].view(out.shape[:2] + (-1, args.head_dim))
                 for i, (rows, blocks) in enumerate(args.chunks):  # the first chunk's keys arrive first
@@ -377,8 +380,8 @@ class StreamAttentionHeads(torch.autograd.Function):
         Saved(x, out, own, replicated, projections, lses, list(args.rope or ()),
               [] if sinks is None else [sinks]).save(ctx)
         ctx.prefetched = []
-        if args.overlap and d_size > 1 and any(ctx.needs_input_grad):
-            args.chain.stash(args.module, lambda: post_backward_regathers(ctx))
+        if args.overlap and d_size > 1 and args.backward_follows and any(ctx.needs_input_grad):
+            args.chain.stash(args.module, lambda inflight: post_backward_regathers(ctx, inflight))
         return y
 
     @staticmethod
@@ -386,9 +389,11 @@ class StreamAttentionHeads(torch.autograd.Function):
         saved = Saved.load(ctx)
         args: AttentionScheduleArgs = replace(ctx.args, rope=tuple(saved.rope) or None)
         grads = HeadGroupGradients(args, dy, saved, ctx.prefetched)
-        ctx.prefetched = []
         d_size = args.kv_group.size()
         with comm.InFlight() as inflight:
+            for inputs in ctx.prefetched:  # posted by the MLP before: waited for here if this fails
+                inputs.kv.adopt(inflight)
+            ctx.prefetched = []
             stream = WeightBroadcast(saved.own, args.weight_group, inflight, first=args.chain.take(args.module))
             ahead = args.lookahead if args.overlap else 0
             for r in range(1 + ahead):
@@ -491,16 +496,17 @@ def regather_inputs(args: AttentionScheduleArgs, saved: Saved, r: int, inflight:
     return HeadGroupInputs(mixed, q, k, v, kv)
 
 
-def post_backward_regathers(ctx) -> None:
-    """Start the backward's first K/V re-gathers now, from the saved projections (called by
-    the MLP after this attention, as its own backward starts: :mod:`prefetch`): the head
-    groups the backward holds at its first stage (group 0 and, with overlap, group 1), so
-    that the backward holds no more K/V than it would, only sooner. Their transfers are
-    waited for where the backward reads them, on an :class:`~comm.InFlight` of their own."""
+def post_backward_regathers(ctx, inflight: comm.InFlight) -> List[dist.Work]:
+    """Start the backward's first K/V re-gather now, head group 0's, from its saved
+    projection (called by the MLP after this attention, as its own backward starts:
+    :mod:`prefetch`). The gathered K/V are then held through the MLP's backward, one head
+    group's. Its transfers are registered with the caller's ``inflight`` (waited for if the
+    caller fails), which hands them over on success (the returned works); the attention
+    backward adopts them."""
     saved = Saved.load(ctx)
     args = replace(ctx.args, rope=tuple(saved.rope) or None)
-    inflight = comm.InFlight()
     ctx.prefetched = [regather_inputs(args, saved, 0, inflight)]
+    return [work for inputs in ctx.prefetched for work in inputs.kv.works()]
 
 
 class HeadGroupAttentionGrads(NamedTuple):
@@ -538,8 +544,9 @@ class HeadGroupGradients:
         self.d_sinks = torch.zeros_like(saved.sinks[0]) if args.softmax_type == "learnable" else None
 
     def inputs(self, r: int, inflight: comm.InFlight) -> HeadGroupInputs:
-        if r < len(self.prefetched):
-            return self.prefetched[r]
+        if r < len(self.prefetched) and self.prefetched[r] is not None:
+            taken, self.prefetched[r] = self.prefetched[r], None
+            return taken
         return regather_inputs(self.args, self.saved, r, inflight)
 
     def attention(self, r: int, shard, inputs: HeadGroupInputs, stream: WeightBroadcast,

@@ -103,6 +103,12 @@ class InFlight:
             elif work not in self._done:
                 raise RuntimeError("InFlight.wait: a transfer that was never added to this schedule")
 
+    def hand_over(self, handle: Handle) -> None:
+        """Stop tracking ``handle`` without waiting: another schedule adopts it (its buffers
+        live on with whoever reads them)."""
+        for work in _works(handle):
+            self._handles.remove(work)
+
     def __enter__(self) -> "InFlight":
         return self
 

@@ -46,6 +46,16 @@ class GatherKV:
         self.second = comm.all_gather(self.full[: d * c], local[c:], group, inflight)
         self._local = local  # alive until the collectives have read it
 
+    def works(self):
+        """The two all-gathers' works."""
+        return [self.first, self.second]
+
+    def adopt(self, inflight: comm.InFlight) -> None:
+        """Be waited for by ``inflight`` from now on (a gather another schedule posted and
+        handed over: :meth:`comm.InFlight.hand_over`)."""
+        self.inflight = inflight
+        inflight.add(self.works())
+
     def wait_first(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """K and V once every rank's first chunk (slots D..2D-1) has arrived; slots 0..D-1
         are still arriving."""

@@ -148,7 +148,9 @@ class TSPMLP(MLP):
             raise ValueError(_NOT_AN_EXPERT)
         args = MLPScheduleArgs(self.weight_group, self.activation, self.config.hidden_size,
                                has_bias=self.linear_fc1.bias is not None, overlap=self.overlap_comm,
-                               chain=self.chain, module=self, activation_grad=self.activation_grad())
+                               chain=self.chain, module=self, activation_grad=self.activation_grad(),
+                               backward_follows=torch.is_grad_enabled()
+                               or self.config.recompute_granularity == "full")
         if self.config.sequence_parallel:
             return RotateMLPShards.apply(args, hidden_states, *self.shard_tensors()), self.linear_fc2.bias
         # replicated tokens: this rank's 1/D in, everyone's out (backward: the slice, then the gather)
@@ -174,6 +176,7 @@ class MLPScheduleArgs:
     chain: Optional[LayerChain] = None
     module: object = None
     activation_grad: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None
+    backward_follows: bool = True  # grad mode at the call, or a recomputed layer's first pass
 
     def first_transfer(self):
         return self.chain.take(self.module) if self.chain is not None else None
@@ -199,7 +202,7 @@ class RotateMLPShards(torch.autograd.Function):
     so that the last gradient hop travels while the owner computes its own part. The
     layer after this one gets its first shard posted during the last step
     (:mod:`prefetch`); its backward starts by posting the K/V re-gather of the attention
-    backward that follows it (the same module's docstring). Saved: x_p and, per shard, this rank's fc1 output ``h_j`` (together 1/D
+    backward that follows it. Saved: x_p and, per shard, this rank's fc1 output ``h_j`` (together 1/D
     of what one device would save), and its activation ``a_j`` with ``activation_grad``.
     Backward recomputes only the activation from ``h_j``, or nothing with ``a_j``;
     each shard's weight gradients are written into, then added to, the fp32 accumulator that
@@ -221,7 +224,7 @@ class RotateMLPShards(torch.autograd.Function):
                 if not args.overlap:
                     ring.wait_all()
                 elif t == d_size - 1:
-                    args.post_next(backward=False, then_backward=any(ctx.needs_input_grad))
+                    args.post_next(backward=False, then_backward=args.backward_follows and any(ctx.needs_input_grad))
                 h = F.linear(x, *shard[:-1])
                 a = args.activation(h)
                 y = gemm(a.reshape(-1, a.size(-1)), shard[-1].t(), out=y, accumulate=y is not None)
@@ -248,8 +251,9 @@ class RotateMLPShards(torch.autograd.Function):
         with comm.InFlight() as inflight:
             ring = WeightRing(own, args.weight_group, inflight, backward=True, first=args.first_transfer())
             ring.first()
+            handed = []
             if ctx.post_at_backward is not None:
-                ctx.post_at_backward()
+                handed = ctx.post_at_backward(inflight)
                 ctx.post_at_backward = None
             for t in ring.steps():  # 1, ..., D-1, then this rank's own shard
                 if t == 0:
@@ -286,4 +290,5 @@ class RotateMLPShards(torch.autograd.Function):
                 gemm_t(dy2d, a.detach().reshape(-1, a.size(-1)), out=w2, accumulate=add)
                 ring.finish_grad(t, flat)
             own_grad = ring.own_grad()
+            inflight.hand_over(handed)  # to the attention backward that runs next
         return (None, dx.view_as(x).to(x.dtype), *deliver_grads(own, own_grad))

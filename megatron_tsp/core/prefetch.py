@@ -1,21 +1,24 @@
-"""Weight transfers across layer boundaries: the next TSP module's first shard travels while
-this one's last stage computes, so that the stream does not drain at every layer boundary.
+"""Transfers across module boundaries: the next TSP module's first shards travel while this
+one's last stage computes, so that the stream does not drain at every layer boundary.
 
 Each TSP module of a model (attention and MLP, in layer order) registers with the model's
 :class:`LayerChain` (the layer spec passes one to all of its modules). A module's first
 transfer is the same whichever pass runs it: attention starts with the broadcasts of the
 shards its stream starts with (head groups 0..lookahead), the MLP ring with the exchange of
-its own shard for its neighbour's. So when
-a module reaches its last stage it posts that first transfer for the module that runs next,
-and the next module takes it instead of posting its own (:meth:`LayerChain.take`).
+its own shard for its neighbour's. So when a module reaches its last stage it posts that
+first transfer for the module that runs next, and the next module takes it instead of
+posting its own (:meth:`LayerChain.take`). A posted shard is the next module's parameters as
+they are when posted: reading them runs that module's forward pre-hooks, where megatron's
+``--overlap-param-gather`` waits for their all-gather
+(:func:`megatron_tsp.core.streaming.run_forward_pre_hooks`).
 
 Which module runs next is known from the pass and the recompute setting (the same on every
 rank, so every rank posts the same collectives in the same order):
 
 * forward: attention(l) -> MLP(l) -> attention(l+1); a recomputed MLP(l) (inside the
   backward pass) -> its own backward; the last MLP of a model that is not pipelined (its
-  backward follows its forward) -> its own backward, or with whole layers recomputed the
-  last layer's attention, recomputed first;
+  backward follows its forward) -> its own backward, or, with each layer recomputed on its
+  own (full, uniform, one layer), the last layer's attention, recomputed first;
 * backward: MLP(l) -> attention(l); attention(l) -> attention(l-1) when whole layers are
   recomputed (its forward runs again first), else MLP(l-1).
 
@@ -24,14 +27,11 @@ foresee) is waited for and dropped: it costs its bytes, never correctness.
 
 The attention backward's K/V re-gather depends on nothing the backward computes (only on
 what its forward saved), so it need not wait for the layer's input gradient either. An
-attention forward stashes the posting of its first head groups' re-gathers
+attention forward stashes the posting of its first head group's re-gather
 (:meth:`LayerChain.stash`); the MLP of its layer, whose forward runs next, claims it
 (:meth:`LayerChain.claim`) and posts it when its own backward starts: the K/V travel while
-the MLP's backward computes, on a link that carries only the MLP's weight ring then, and
-the attention backward, which runs right after it, finds them there. A posted shard is
-the next module's parameters as they are when posted: reading them runs that module's
-forward pre-hooks, where megatron's ``--overlap-param-gather`` waits for their all-gather
-(:func:`megatron_tsp.core.streaming.run_forward_pre_hooks`).
+the MLP's backward computes (beside the ring's own transfers and the attention's first
+shards), and the attention backward, which runs right after it, finds them there.
 """
 
 from __future__ import annotations
@@ -51,12 +51,15 @@ class LayerChain:
         self._posted = None  # (module it was posted for, transfer)
         self._stashed = None  # (module it was stashed for, the posting of a backward's first transfers)
         self.full_recompute = False
+        self.layer_by_layer = False  # full recompute, one layer per checkpoint
         self.backward_follows = False  # the last module's backward runs right after its forward
 
     def register(self, module) -> None:
         self._modules.append(weakref.ref(module))
         config = module.config
         self.full_recompute = getattr(config, "recompute_granularity", None) == "full"
+        self.layer_by_layer = (getattr(config, "recompute_method", None) == "uniform"
+                               and getattr(config, "recompute_num_layers", None) == 1)
         self.backward_follows = getattr(config, "pipeline_model_parallel_size", 1) == 1
 
     def _index(self, module) -> Optional[int]:
@@ -78,7 +81,9 @@ class LayerChain:
                 return module
             j = i + 1
             if j == len(self._modules) and then_backward and self.backward_follows and not attention:
-                return self._modules[-2]() if self.full_recompute else module
+                if not self.full_recompute:
+                    return module
+                return self._modules[-2]() if self.layer_by_layer and len(self._modules) > 1 else None
         elif not attention:
             j = i - 1  # MLP(l) -> attention(l)
         else:

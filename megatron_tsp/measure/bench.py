@@ -386,7 +386,7 @@ def _wait_lines(results: Dict, label: str = "", top: int = 5) -> List[str]:
                     continue
                 total = sum(row["wait_ms"] for row in rows)
                 lines.append(f"\n{label}S={seq}, {mode}, rank {rank}: waits for transfers {total:.0f} ms in the "
-                             f"profiled step; the longest:\n\n| posted at | waited at | waits | ms |\n|---|---|---|---|")
+                             "profiled step; the longest:\n\n| posted at | waited at | waits | ms |\n|---|---|---|---|")
                 lines += [f"| {w['posted_at']} | {w['waited_at']} | {w['waits']} | {w['wait_ms']:.1f} |"
                           for w in rows[:top]]
     return lines

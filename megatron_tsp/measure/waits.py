@@ -3,7 +3,9 @@
 Inside :class:`WaitProfile` every transfer an ``InFlight`` posts is tagged with the line of
 the schedule that posted it (the first frame outside the transfer verbs: ``core/comm.py``,
 ``core/streaming.py``, ``core/kv.py``), and every wait for one is timed and charged to that
-line together with the line that waited. What an overlap leaves exposed is then a table, not
+line together with the line that waited (a transfer the module before posted for this one,
+:mod:`megatron_tsp.core.prefetch`, where this one takes it over; the waits of a schedule
+that fails or drops a prefetch are not counted). What an overlap leaves exposed is then a table, not
 a guess: the benchmark profiles the untimed step it counts the collectives of (``bench``,
 ``waits`` per mode and rank in its JSON, the largest in its table).
 """
@@ -27,7 +29,8 @@ def _schedule_line(depth: int) -> str:
         frame = frame.f_back
     if frame is None:
         return "?"
-    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_code.co_qualname}:{frame.f_lineno}"
+    code = frame.f_code
+    return f"{os.path.basename(code.co_filename)}:{getattr(code, 'co_qualname', code.co_name)}:{frame.f_lineno}"
 
 
 class WaitProfile:
