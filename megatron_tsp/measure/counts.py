@@ -20,7 +20,7 @@ from megatron.core import parallel_state as mpu
 
 from megatron_tsp.core import parallel_state as tsp_state
 from megatron_tsp.core.comm import logical_bytes, traffic
-from megatron_tsp.run.compat import rebind_in_megatron
+from megatron_tsp.run.compat import distributed_replaced
 
 Records = Dict[str, Dict[str, Dict[str, Dict[str, int]]]]  # group -> phase -> primitive -> counts
 
@@ -143,18 +143,8 @@ def _patched(before: Callable[..., None]) -> Iterator[None]:
         wrapper.__wrapped__ = original
         return wrapper
 
-    originals = {name: getattr(dist, name) for name in HOOKS if hasattr(dist, name)}
-    wrappers = {name: wrap(name, original) for name, original in originals.items()}
-    for name, wrapper in wrappers.items():
-        setattr(dist, name, wrapper)
-    changed = rebind_in_megatron({id(originals[name]): wrapper for name, wrapper in wrappers.items()})
-    try:
+    with distributed_replaced(wrap, list(HOOKS)):
         yield
-    finally:
-        for name, original in originals.items():
-            setattr(dist, name, original)
-        for owner, attr, original in changed:
-            setattr(owner, attr, original)
 
 
 @contextlib.contextmanager

@@ -20,14 +20,11 @@ and calls inside a coalescing block (megatron's DDP buckets), take the original.
 
 from __future__ import annotations
 
-import contextlib
-from typing import Iterator
-
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
-from megatron_tsp.run.compat import rebind_in_megatron
+from megatron_tsp.run.compat import distributed_replaced
 
 REDUCE_SCATTER = ("reduce_scatter_tensor", "reduce_scatter_single", "_reduce_scatter_base")
 
@@ -78,19 +75,8 @@ def _reduce(original):
     return reduce
 
 
-@contextlib.contextmanager
-def direct_reductions() -> Iterator[None]:
+def direct_reductions():
     """Inside the block, ``torch.distributed``'s reduce-scatters and reduce (and the names
     megatron bound to them at import) move on a gloo group what they move on a GPU."""
-    originals = {name: getattr(dist, name) for name in REDUCE_SCATTER + ("reduce",) if hasattr(dist, name)}
-    replacements = {name: (_reduce if name == "reduce" else _reduce_scatter)(fn) for name, fn in originals.items()}
-    for name, fn in replacements.items():
-        setattr(dist, name, fn)
-    changed = rebind_in_megatron({id(originals[name]): fn for name, fn in replacements.items()})
-    try:
-        yield
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
-        for owner, attr, fn in changed:
-            setattr(owner, attr, fn)
+    return distributed_replaced(lambda name, fn: (_reduce if name == "reduce" else _reduce_scatter)(fn),
+                                REDUCE_SCATTER + ("reduce",))

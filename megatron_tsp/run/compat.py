@@ -175,6 +175,27 @@ def rebind_in_megatron(replacements: Dict[int, Any]) -> List[Tuple[Any, str, Any
     return changed
 
 
+@contextlib.contextmanager
+def distributed_replaced(wrap: Callable[[str, Any], Any], names: Sequence[str]):
+    """Inside the block, each ``torch.distributed.<name>`` of ``names`` (those this torch has)
+    is ``wrap(name, original)``, and so is every name megatron bound to the original at
+    import (:func:`rebind_in_megatron`); both are put back after."""
+    import torch.distributed as dist
+
+    originals = {name: getattr(dist, name) for name in names if hasattr(dist, name)}
+    replacements = {name: wrap(name, fn) for name, fn in originals.items()}
+    for name, fn in replacements.items():
+        setattr(dist, name, fn)
+    changed = rebind_in_megatron({id(originals[name]): fn for name, fn in replacements.items()})
+    try:
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+        for owner, attr, fn in changed:
+            setattr(owner, attr, fn)
+
+
 _CUDA = '"cuda"'
 _CUDA_Q = "'cuda'"
 
