@@ -20,14 +20,22 @@ def _values(**overrides):
     return values
 
 
-def _measure(mode):
-    return memory.measure(_values(), mode, CPU)
+# megatron's MoE layers, experts folded onto the 2 model-parallel ranks, some layers dense
+MOE = dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=128, expert_model_parallel_size=2,
+           moe_shared_expert_intermediate_size=128, moe_layer_freq=2, moe_aux_loss_coeff=0.01)
 
 
-@pytest.mark.parametrize("mode", ["tsp", "tp-sp", "tp-cp"])
-def test_planner_matches_a_real_step(ranks, mode):
-    real = ranks(2, _measure, mode)[0]
-    planned = memory.plan(_values(), mode, world_size=2)
+def _measure(mode, overrides):
+    return memory.measure(_values(**overrides), mode, CPU)
+
+
+@pytest.mark.parametrize("mode,overrides", [("tsp", {}), ("tp-sp", {}), ("tp-cp", {}), ("tsp", MOE), ("tp-sp", MOE)],
+                         ids=["tsp", "tp-sp", "tp-cp", "tsp-moe", "tp-sp-moe"])
+def test_planner_matches_a_real_step(ranks, mode, overrides):
+    """The planned step is the real one: every category of the peak, and every byte moved.
+    A mixture-of-experts model is planned with balanced routing, and measured with it too."""
+    real = ranks(2, _measure, mode, overrides)[0]
+    planned = memory.plan(_values(**overrides), mode, world_size=2)
     assert real["parallel"] == planned["parallel"]
     for category in memory.CATEGORIES:
         got, want = planned["by_category_gib"][category], real["by_category_gib"][category]
@@ -38,6 +46,13 @@ def test_planner_matches_a_real_step(ranks, mode):
     # optimizer's instance group)
     real["comm_bytes_received"].pop("dist_opt")
     assert planned["comm_bytes_received"] == real["comm_bytes_received"]
+    if overrides:  # each MoE layer's all-to-alls move (D-1)/D of the routed tokens to their experts and back,
+        v = _values(**overrides)  # and their routing probabilities (fp32) along to the experts
+        routed = v["seq_length"] // 2 * v["micro_batch_size"] * v["moe_router_topk"]  # per rank, both modes
+        moe_layers = v["num_layers"] // v["moe_layer_freq"]
+        tokens, probs = 4 * routed // 2 * v["hidden_size"] * moe_layers, 4 * routed // 2 * moe_layers
+        assert planned["comm_bytes_received"]["ep"] == {"forward": 2 * tokens + probs, "backward": 2 * tokens + probs}
+        assert planned["comm"]["ep"]["forward"]["all_to_all"]["calls"] == 3 * moe_layers
 
 
 def test_categories_add_up_and_long_context_favours_tsp():

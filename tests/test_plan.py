@@ -80,11 +80,20 @@ def test_peak_memory_and_flops_extrapolate_exactly_in_the_layer_count(config, mo
     assert total["flops"] == pytest.approx(max(p["flops_per_rank"] for p in plans.values()), rel=1e-9)
 
 
-def test_a_mixture_of_experts_model_is_not_planned_and_says_so():
-    """The token dispatcher's all-to-all sizes come from the router, which fake tensors do not
-    have: a one-line refusal, not DynamicOutputShapeException from inside megatron."""
-    from megatron_tsp.errors import ConfigError
+def test_a_mixture_of_experts_model_is_planned_with_balanced_routing():
+    """Every expert gets T k / E of a rank's T routed tokens (megatron's drop-and-pad at
+    capacity 1, static shapes under FakeTensorMode): the expert GEMMs' FLOPs are those of
+    T k tokens, whatever E, and one MoE layer costs what a dense MLP of k experts' width does."""
     from megatron_tsp.measure import memory
 
-    with pytest.raises(ConfigError, match="the planner does not plan mixture-of-experts models"):
-        memory.plan(dict(TINY, num_experts=4, expert_model_parallel_size=2), "tsp")
+    dense = memory.plan(dict(TINY, num_layers=2), "tsp")
+    flops = {}
+    for experts, k in ((4, 2), (8, 2)):
+        moe = dict(TINY, num_layers=2, num_experts=experts, moe_router_topk=k, expert_model_parallel_size=2,
+                   moe_ffn_hidden_size=TINY["ffn_hidden_size"] // k)
+        flops[experts] = memory.plan(moe, "tsp")["flops_per_rank"]
+    # the router's [T, h] x [h, E] GEMM is all that grows with E (forward and two backward GEMMs)
+    tokens = TINY["seq_length"] // TINY["tsp_size"]  # this rank's, micro-batch 1
+    assert flops[8] - flops[4] == 2 * 3 * 2 * tokens * TINY["hidden_size"] * 4
+    router = 2 * 3 * 2 * tokens * TINY["hidden_size"] * 4
+    assert abs(flops[4] - router - dense["flops_per_rank"]) < 0.02 * dense["flops_per_rank"]

@@ -19,8 +19,12 @@ all_gather           (D-1)·n_local                        (D-1)·n_local
 reduce_scatter       (D-1)·n_out                          (D-1)·n_out
 reduce               (D-1)·n on the destination, else 0   n off the destination, else 0
 all_reduce (ring)    2(D-1)/D·n                           2(D-1)/D·n
+all_to_all           the output less this rank's slice    the input less this rank's slice
 send / recv          n per recv                           n per send
 ===================  ==================================  =================================
+
+(all_to_all's slices are its split sizes, equal where none are given: (D-1)/D of either
+tensor, as megatron's MoE token dispatcher moves tokens to their experts and back.)
 """
 
 from __future__ import annotations

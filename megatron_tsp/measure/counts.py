@@ -38,6 +38,9 @@ def group_names() -> Dict[int, str]:
         "dist_opt": lambda: mpu.get_intra_distributed_optimizer_instance_group(check_initialized=False),
         "embd": lambda: mpu.get_embedding_group(check_initialized=False),
         "tsp_weight": lambda: tsp_state.get_weight_group(),
+        # mixture-of-experts: the token all-to-all, and the experts' gradient reduce
+        "ep": lambda: mpu.get_expert_model_parallel_group(),
+        "edp": lambda: mpu.get_expert_data_parallel_group(),
     }
     names: Dict[int, str] = {id(dist.group.WORLD): "world"}
     for name, get in getters.items():
@@ -101,6 +104,19 @@ class _Recorder:
         is_dst = kw.get("group_dst", None) == dist.get_rank(group) if dst is None else dst == dist.get_rank()
         self.collective("reduce", logical_bytes(tensor), group, root=is_dst)
 
+    def all_to_all_single(self, output, inp, output_split_sizes=None, input_split_sizes=None, group=None, **kw):
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+
+        def foreign(t, splits):  # the bytes of ``t`` that are not this rank's own slice
+            whole = logical_bytes(t)
+            if splits is None or len(splits) == 0:
+                return whole - whole // size
+            splits = [int(s) for s in splits]  # megatron hands tensors on the CPU
+            return whole - whole * splits[rank] // max(sum(splits), 1)
+
+        self.record(group, "all_to_all", foreign(inp, input_split_sizes), foreign(output, output_split_sizes))
+        self.received(output)
+
     def batch_isend_irecv(self, ops):
         by_group = defaultdict(lambda: [0, 0])
         for op in ops:
@@ -125,6 +141,7 @@ HOOKS = {
     "all_reduce": _Recorder.all_reduce,
     "broadcast": _Recorder.broadcast,
     "reduce": _Recorder.reduce,
+    "all_to_all_single": _Recorder.all_to_all_single,
     "batch_isend_irecv": _Recorder.batch_isend_irecv,
 }
 

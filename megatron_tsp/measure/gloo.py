@@ -53,7 +53,8 @@ def _reduce_scatter(original):
             return original(output, input, op=op, group=group, async_op=async_op)
         size = dist.get_world_size(group)
         parts = output.new_empty((size,) + tuple(output.shape))
-        work = dist.all_to_all_single(parts, input.contiguous(), group=group, async_op=True)
+        # the unwrapped call: counts counts this as the reduce-scatter it stands for, not as an all-to-all too
+        work = distributed_c10d.all_to_all_single(parts, input.contiguous(), group=group, async_op=True)
         return _finish(_summed(work, parts, output), async_op)
 
     reduce_scatter.__wrapped__ = original

@@ -18,6 +18,9 @@ The tracker (:mod:`tracker`) also applies torch's FLOP formulas to every op, and
 runs under :func:`counts.count_collectives`, so one plan also yields FLOPs
 and bytes moved per process group. Values do not exist: a
 data-dependent scalar (a loss or norm read with ``.item()``) reads as 1.
+
+A mixture-of-experts model is planned with balanced routing (:func:`balanced_routing`):
+how many tokens each expert gets is decided by the data, which fake tensors do not have.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
 from megatron_tsp.core.parallel_state import destroy_model_parallel
 from megatron_tsp.core.sizes import DEFAULT_CP, ParallelSizes
@@ -104,21 +107,58 @@ def activation_terms(args, mode: str, fused_norm: bool = True) -> Dict[str, Dict
 @contextlib.contextmanager
 def _valueless() -> Iterator[None]:
     """Fake tensors have no values: make megatron's value bookkeeping a no-op. RNG states
-    (dropout forks, activation-checkpoint replays) are not saved or restored, and the
-    gradient norm (a scalar; megatron's torch fallback reads values) is 1."""
+    (dropout forks, activation-checkpoint replays) are not saved or restored, the gradient
+    norm (a scalar; megatron's torch fallback reads values) is 1, and the MoE dispatcher's
+    tokens per expert are known (:data:`BALANCED_ROUTING`)."""
     from megatron.core.optimizer import optimizer as moptimizer
     from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher as Dispatcher
 
-    saved = (mrandom._get_all_rng_states, mrandom._set_all_rng_states, moptimizer.get_grad_norm_fp32)
+    saved = (mrandom._get_all_rng_states, mrandom._set_all_rng_states, moptimizer.get_grad_norm_fp32,
+             Dispatcher.preprocess)
     mrandom._get_all_rng_states = lambda: (None, None, None)
     mrandom._set_all_rng_states = lambda *states: None
     moptimizer.get_grad_norm_fp32 = lambda *args, **kwargs: 1.0
+    Dispatcher.preprocess = _known_expert_counts(Dispatcher.preprocess)
     mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     try:
         yield
     finally:
-        mrandom._get_all_rng_states, mrandom._set_all_rng_states, moptimizer.get_grad_norm_fp32 = saved
+        (mrandom._get_all_rng_states, mrandom._set_all_rng_states, moptimizer.get_grad_norm_fp32,
+         Dispatcher.preprocess) = saved
         mrandom.initialize_rng_tracker(force_reset=True)
+
+
+# The routing a mixture-of-experts model is planned with: megatron's own drop-and-pad at
+# capacity factor 1 gives every expert exactly T k / E of the T tokens a rank routes (top k
+# of E experts), which is balanced routing, and static shapes (the dropless dispatcher sizes
+# its all-to-all from the router's choices). The real step of the same settings is the same
+# step (tests/test_memory.py). A dropless run computes the same expert FLOPs over all ranks,
+# on some more and on some fewer as the router spreads tokens, and its all-to-all moves
+# (D-1)/D of the routed tokens only on average, where experts are chosen independently of
+# which rank holds a token.
+BALANCED_ROUTING = {"moe_expert_capacity_factor": 1.0, "moe_pad_expert_input_to_capacity": True}
+
+
+def balanced_routing(args) -> None:
+    """Plan ``args``' experts (if any) with :data:`BALANCED_ROUTING`."""
+    if args.num_experts:
+        for key, value in BALANCED_ROUTING.items():
+            setattr(args, key, value)
+
+
+def _known_expert_counts(preprocess):
+    """The dispatcher's tokens per local expert, which its experts read with ``.tolist()``:
+    under drop-and-pad a constant of the settings, made a real tensor so that it has values
+    (:data:`BALANCED_ROUTING`)."""
+    def with_values(self, routing_map):
+        counts = preprocess(self, routing_map)
+        if not self.drop_and_pad:
+            return counts
+        with unset_fake_temporarily():
+            return torch.full(tuple(counts.shape), self.capacity * self.tp_size * self.ep_size, dtype=torch.long)
+
+    return with_values
 
 
 @contextlib.contextmanager
@@ -197,12 +237,10 @@ def plan(values: Dict, mode: str, world_size: Optional[int] = None, cp: int = DE
     functions, every collective checked to move GPU tensors) and needs a CUDA runtime, real
     or the tests' stand-in. ``fused_norm``: see :func:`megatron_tsp.core.norm.implementation`."""
     mode = get_mode(mode)
-    if values.get("num_experts"):  # the dispatcher's all-to-all sizes are the router's, known only with real data
-        raise cfg.ConfigError("'num_experts' (--num-experts): the planner does not plan mixture-of-experts models "
-                              "(how many tokens each expert gets is decided by the data); plan the dense model")
     # Built where it runs: FakeTensorMode cannot move a module between devices, and where the
     # weights were initialised does not change the step's memory.
     args = mode.args(dict(values, use_cpu_initialization=False), cp)
+    balanced_routing(args)
     world_size = cfg.sizes(args, world_size).world_size
     with fake_world(world_size, rank), counts.devices_checked(device.torch):
         return _run(args, mode, world_size, StorageTracker(fake_scalars=True, detail=largest), attention_backend,
@@ -213,8 +251,10 @@ def measure(values: Dict, mode: str, device: Device, cp: int = DEFAULT_CP, atten
     """The same step for real, on this rank of the current process group (the planner's
     check: with real tensors the tracker must see what it sees under FakeTensorMode)."""
     mode = get_mode(mode)
-    return _run(mode.args(values, cp), mode, dist.get_world_size(), StorageTracker(fake_scalars=False),
-                attention_backend, device, fake=False)
+    args = mode.args(values, cp)
+    balanced_routing(args)
+    return _run(args, mode, dist.get_world_size(), StorageTracker(fake_scalars=False), attention_backend, device,
+                fake=False)
 
 
 def _run(args, mode: Mode, world_size: int, tracker: StorageTracker, attention_backend: str, device: Device,
@@ -311,12 +351,13 @@ def planned_layers(values: Dict) -> Tuple[int, int]:
     added is one that is not recomputed). Not 1: a one-layer model's peak can fall at
     another point of the step than a deeper one's, and a line through 1 and 2 layers then
     has the wrong slope (the 7B's ring MLP at 128K with full recompute: +1.7 GiB at 32
-    layers). Sliding windows with ``window_attn_skip_freq`` p (every p-th layer global): the
+    layers). A layer pattern of period p (:func:`layer_period`: sliding windows with every
+    p-th layer global, MoE layers every p-th layer): the
     step between the counts is a whole period (units of u = lcm(p, k) layers), and the first
     count leaves the model's layers a whole number of steps beyond it (2u and 3u where u
     divides them; block recompute from k+1 on), so the line meets the model's own pattern."""
     k = values.get("recompute_num_layers") or 1
-    period = window_period(values)
+    period = layer_period(values)
     layers = values.get("num_layers") or cfg.ARGUMENTS["num_layers"].default
     full = values.get("recompute_granularity") == "full"
     block = full and values.get("recompute_method") == "block"
@@ -335,11 +376,15 @@ def planned_layers(values: Dict) -> Tuple[int, int]:
     return 2 * unit, 3 * unit
 
 
-def window_period(values: Dict) -> int:
-    """Layers per period of local and global layers: ``window_attn_skip_freq`` where a
-    window is set (every p-th layer attends to every key), else 1."""
-    freq = values.get("window_attn_skip_freq")
-    return freq if values.get("window_size") and isinstance(freq, int) and freq > 1 else 1
+def layer_period(values: Dict) -> int:
+    """Layers per period of the model's layer pattern, from its first layer: local and
+    global attention (``window_attn_skip_freq`` p where a window is set: every p-th layer
+    attends to every key), and MoE and dense layers (``moe_layer_freq``: every n-th layer
+    is a mixture-of-experts layer); 1 where every layer is alike."""
+    window = values.get("window_attn_skip_freq")
+    window = window if values.get("window_size") and isinstance(window, int) and window > 1 else 1
+    moe = values.get("moe_layer_freq") if values.get("num_experts") else 1
+    return math.lcm(window, moe if isinstance(moe, int) and moe > 1 else 1)
 
 
 def first_and_last_rank_plans(values: Dict, mode: str, world_size: Optional[int] = None, cp: int = DEFAULT_CP,

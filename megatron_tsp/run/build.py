@@ -86,7 +86,10 @@ def moe_config(args) -> Dict[str, Any]:
                 moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
                 moe_layer_freq=args.moe_layer_freq, moe_aux_loss_coeff=args.moe_aux_loss_coeff,
                 moe_token_dispatcher_type=args.moe_token_dispatcher_type,
-                expert_model_parallel_size=args.expert_model_parallel_size, expert_tensor_parallel_size=1)
+                expert_model_parallel_size=args.expert_model_parallel_size, expert_tensor_parallel_size=1,
+                # set by the memory planner only (memory.BALANCED_ROUTING)
+                moe_expert_capacity_factor=getattr(args, "moe_expert_capacity_factor", None),
+                moe_pad_expert_input_to_capacity=getattr(args, "moe_pad_expert_input_to_capacity", False))
 
 
 def model_args(args) -> Dict[str, Any]:

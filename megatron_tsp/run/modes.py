@@ -100,7 +100,7 @@ class Mode:
         """The groups whose traffic hides behind compute (the data-parallel gradient reduce
         only with ``--overlap-grad-reduce``: megatron's default reduces after the backward pass)."""
         return self.hides + (self.hides_with_te if transformer_engine else ()) + \
-            (("dp", "dp_cp") if overlap_grad_reduce else ())
+            (("dp", "dp_cp", "edp") if overlap_grad_reduce else ())
 
 
 def _tp_cp(d: int, cp: int) -> Dict:
