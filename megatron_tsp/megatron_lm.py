@@ -31,7 +31,7 @@ from megatron_tsp import versions
 from megatron_tsp.core import vocab
 from megatron_tsp.core.parallel_state import adopt_megatron_groups
 from megatron_tsp.core.sizes import ParallelSizes
-from megatron_tsp.core.spec import get_gpt_layer_tsp_spec, with_ring_mlp
+from megatron_tsp.core.spec import get_gpt_block_tsp_spec, get_gpt_layer_tsp_spec, with_ring_mlp
 from megatron_tsp.core.support import RULES, require, violations
 from megatron_tsp.core.zigzag import zigzag_batch
 from megatron_tsp.env import transformer_engine_version
@@ -59,12 +59,23 @@ def _ring_spec(qk_layernorm: bool, transformer_engine: bool):
     return with_ring_mlp(stock)
 
 
+def _block_spec(qk_layernorm: bool):
+    """``--num-experts``: this pipeline stage's TSP layers, with megatron's MoE module in
+    those ``--moe-layer-freq`` names (:func:`get_gpt_block_tsp_spec`)."""
+    def build(config, vp_stage=None):
+        return get_gpt_block_tsp_spec(config, vp_stage=vp_stage, qk_layernorm=qk_layernorm)
+
+    return build
+
+
 # `--spec megatron_tsp.megatron_lm <name>`: Megatron-LM looks these up in the module's namespace.
 # The ring MLP's plain names use TransformerEngine's layer where it is installed (Megatron-LM's
 # default --transformer-impl), the `_local` ones megatron's local layer.
 _HAS_TE = transformer_engine_version() is not None
 layer_spec = versions.spec_object(get_gpt_layer_tsp_spec(), _register_groups)
 layer_spec_qk_layernorm = versions.spec_object(get_gpt_layer_tsp_spec(qk_layernorm=True), _register_groups)
+block_spec = versions.stage_spec_object(_block_spec(False), _register_groups)
+block_spec_qk_layernorm = versions.stage_spec_object(_block_spec(True), _register_groups)
 ring_layer_spec = versions.spec_object(_ring_spec(False, _HAS_TE), _register_groups)
 ring_layer_spec_qk_layernorm = versions.spec_object(_ring_spec(True, _HAS_TE), _register_groups)
 ring_layer_spec_local = versions.spec_object(_ring_spec(False, False), _register_groups)
@@ -138,12 +149,15 @@ def translate_argv(argv: List[str]) -> List[str]:
     for message in violations(_given(argv), tsp, ("layout", "all", "attention", "mlp", "launch")):
         raise SystemExit(message)
     dropout = _value(argv, "--attention-dropout")
-    spec = "layer_spec_qk_layernorm" if _present(argv, "--qk-layernorm") else "layer_spec"
+    moe = _present(argv, "--num-experts")
+    spec = ("block_spec" if moe else "layer_spec") + ("_qk_layernorm" if _present(argv, "--qk-layernorm") else "")
     out = list(argv)
     out += ["--tensor-model-parallel-size", str(tsp), "--sequence-parallel",
             "--spec", "megatron_tsp.megatron_lm", spec]
     if dropout is None:  # Megatron-LM's default is 0.1
         out += ["--attention-dropout", "0.0"]
+    if moe and not _present(argv, "--expert-tensor-parallel-size"):
+        out += ["--expert-tensor-parallel-size", "1"]  # experts whole on their ranks; Megatron-LM's default is TP's
     return out
 
 
@@ -232,7 +246,7 @@ def model_provider(*args, **kwargs):
     from model_provider import model_provider as megatron_model_provider
 
     _register_groups()
-    return megatron_model_provider(gpt_builder, *args, **kwargs)
+    return megatron_model_provider(versions.resolving_stage_specs(gpt_builder), *args, **kwargs)
 
 
 def main() -> None:

@@ -151,6 +151,21 @@ def null_tokenizer(vocab_size: int):
 _BATCH_0_16 = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids", "packed_seq_params")
 
 
+def forget_moe_metrics() -> None:
+    """Drop megatron's per-layer MoE metrics (the load-balancing loss of each layer), which it
+    sizes by the layer count of the first model that records one: a later model in the same
+    process (another plan, test or benchmark mode) with more layers would index past it.
+    0.16 keeps them in a dict, 0.19 in a tracker object."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if at_least(0, 19):
+        from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+
+        destroy_moe_metrics_tracker()
+    else:
+        moe_utils.get_moe_layer_wise_logging_tracker().clear()
+
+
 def batch_names(namespace: dict) -> List[str]:
     """The names of what ``get_batch`` of a pretrain_gpt.py (its module ``namespace``) returns,
     in order (0.16: six values, the last packed-sequence params; 0.19: ``BATCH_KEYS``)."""
@@ -172,6 +187,44 @@ def spec_object(spec, prepare: Callable[[], None]):
 
     build_spec.spec = spec
     return build_spec
+
+
+def stage_spec_object(build: Callable, prepare: Callable[[], None]):
+    """What ``--spec MODULE NAME`` must name for a spec that depends on the model's config and
+    its pipeline stage (a block spec: which of the stage's layers are MoE layers), from
+    ``build(transformer_config, vp_stage)``. 0.19 calls it with the model config and the
+    stage, as :func:`spec_object`'s; 0.16's builder passes the object to the model as it is,
+    so there it is a block spec that :func:`resolving_stage_specs` fills for each stage
+    before the builder reads it."""
+    if at_least(0, 19):
+        def build_spec(model_config, vp_stage=None):
+            prepare()
+            return build(getattr(model_config, "transformer", model_config), vp_stage)
+
+        build_spec.build = build
+        return build_spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    spec = TransformerBlockSubmodules(layer_specs=[])
+    spec.build = build
+    return spec
+
+
+def resolving_stage_specs(builder: Callable) -> Callable:
+    """0.16's ``gpt_builder`` (``builder``), with a :func:`stage_spec_object` that ``--spec``
+    names filled for the stage being built first."""
+    def build_stage(args, pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
+        from megatron.core.transformer.spec_utils import import_module
+        from megatron.training.arguments import core_transformer_config_from_args
+
+        spec = import_module(args.spec) if args.spec else None
+        if hasattr(spec, "build") and hasattr(spec, "layer_specs"):
+            config = config or core_transformer_config_from_args(args)
+            stage = spec.build(config, vp_stage)
+            spec.layer_specs, spec.layer_norm = stage.layer_specs, stage.layer_norm
+        return builder(args, pre_process, post_process, vp_stage=vp_stage, config=config, pg_collection=pg_collection)
+
+    return build_stage
 
 
 def run_pretrain_gpt(pretrain_gpt, model_provider, forward_step, extra_args_provider) -> None:

@@ -38,6 +38,12 @@ if [[ $what == predict || $what == all ]]; then
   run megatron-tsp predict configs/7b/128k-tsp8-norecompute.yaml --hardware configs/hardware/mi300x.yaml --nodes 128 \
     --modes tsp,tp-sp --sweep 4096,8192,16384,32768,65536,131072,262144 \
     --json "$out/predict-7b-sweep-norecompute-mi300x-128node.json"
+  # mixture of experts, experts folded onto the model-parallel ranks in every mode (EP 8); Mixtral's
+  # optimizer state needs 16 data-parallel ranks to fit (configs/mixtral-8x7b/model.yaml)
+  run megatron-tsp predict configs/mixtral-8x7b/128k-tsp8.yaml --hardware configs/hardware/h100.yaml --nodes 16 \
+    --modes tsp,tp-sp,tp-cp --json "$out/predict-mixtral-8x7b-128k-h100-16node.json"
+  run megatron-tsp predict configs/olmoe/128k-tsp8.yaml --hardware configs/hardware/h100.yaml --nodes 1 \
+    --modes tsp,tp-sp,tp-cp --json "$out/predict-olmoe-128k-h100-1node.json"
 fi
 
 if [[ $what == plan || $what == all ]]; then
@@ -50,6 +56,10 @@ if [[ $what == plan || $what == all ]]; then
     --out "$out/plan-llama3-8b-128k-h100"
   run megatron-tsp plan configs/7b/128k-window-tsp8.yaml --hardware configs/hardware/h100.yaml --grid 131072,262144 \
     --out "$out/plan-7b-128k-window-h100"
+  run megatron-tsp plan configs/mixtral-8x7b/128k-tsp8.yaml --hardware configs/hardware/h100.yaml --nodes 16 \
+    --modes tsp,tp-sp,tp-cp --grid "$grid" --out "$out/plan-mixtral-8x7b-128k-h100-16node"
+  run megatron-tsp plan configs/olmoe/128k-tsp8.yaml --hardware configs/hardware/h100.yaml \
+    --modes tsp,tp-sp,tp-cp --grid "$grid" --out "$out/plan-olmoe-128k-h100"
   # what fused norms change: the same plan with megatron-core's torch RMSNorm fallback
   run megatron-tsp plan configs/7b/128k-tsp8.yaml --hardware configs/hardware/h100.yaml --no-fused-norm \
     --out "$out/plan-7b-128k-h100-unfused-norm"

@@ -160,6 +160,9 @@ def test_tsp_size_maps_onto_the_tensor_parallel_slot():
     assert out[5:] == ["--tensor-model-parallel-size", "8", "--sequence-parallel", "--spec",
                        "megatron_tsp.megatron_lm", "layer_spec", "--attention-dropout", "0.0"]
     assert megatron_lm.translate_argv(["x", "--tsp-size=2", "--qk-layernorm"])[-3] == "layer_spec_qk_layernorm"
+    # experts: a block spec of each stage's layers, the experts whole on their ranks unless told otherwise
+    moe = megatron_lm.translate_argv(["x", "--tsp-size", "2", "--num-experts", "4", "--qk-layernorm"])
+    assert moe[-5:] == ["block_spec_qk_layernorm", "--attention-dropout", "0.0", "--expert-tensor-parallel-size", "1"]
     assert megatron_lm.translate_argv(["x", "--tensor-model-parallel-size", "8"]) == \
         ["x", "--tensor-model-parallel-size", "8"]
 
@@ -167,7 +170,9 @@ def test_tsp_size_maps_onto_the_tensor_parallel_slot():
 @pytest.mark.parametrize("argv,message", [
     (["--tensor-model-parallel-size", "2"], "set --tensor-model-parallel-size 1"),
     (["--context-parallel-size", "2"], "set --context-parallel-size 1"),
-    (["--num-experts", "8"], "--num-experts cannot be used with --tsp-size"),
+    (["--num-experts", "8", "--expert-model-parallel-size", "3"],
+     "--expert-model-parallel-size must be --tsp-size or a divisor"),
+    (["--num-experts", "8", "--expert-tensor-parallel-size", "4"], "set --expert-tensor-parallel-size 1"),
     (["--attention-dropout", "0.1"], "set --attention-dropout 0"),
 ])
 def test_unsupported_flags_are_one_line_errors(argv, message):
@@ -214,6 +219,8 @@ def test_spec_objects_are_layer_specs():
         spec = _spec(name)
         assert spec.module is TransformerLayer
         assert spec.submodules.self_attention.submodules.core_attention is not None
+    for name in ("block_spec", "block_spec_qk_layernorm"):  # built for each stage from its config (MoE layers)
+        assert callable(vars(megatron_lm)[name].build)
     for name in ("ring_layer_spec", "ring_layer_spec_local", "ring_layer_spec_qk_layernorm",
                  "ring_layer_spec_qk_layernorm_local"):
         ring = _spec(name)  # megatron's own attention, the ring MLP, the norm apart from fc1
@@ -253,6 +260,23 @@ def test_rendered_configs_parse_with_megatron_lm(name):
         assert (tsp, tp, sp) == ("1", "8", "True") and "ring_layer_spec" in spec
     else:
         assert tsp == "1" and spec == "None"
+
+
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2",
+       "--moe-token-dispatcher-type", "alltoall", "--moe-aux-loss-coeff", "0.01", "--moe-layer-freq", "2"]
+
+
+def test_mixture_of_experts_through_pretrain_equals_stock_tp_sp(tree):
+    """Megatron-LM's MoE flags with ``--tsp-size 2``: megatron's MoE layer where
+    ``--moe-layer-freq`` says (the first of the two layers), TSP's ring MLP in the other, the
+    experts folded onto the TSP group; the same losses as stock pretrain_gpt.py's TP2+SP with
+    its experts folded onto the TP group (EP 2, ETP 1), load-balancing loss included."""
+    tsp_losses, printed = _pretrain(tree, None, "--tsp-size", "2", *MOE)
+    assert printed["spec"] == "['megatron_tsp.megatron_lm', 'block_spec']"
+    assert (printed["num_experts"], printed["expert_tensor_parallel_size"]) == ("4", "1")
+    assert "load_balancing_loss" in printed["_output"]
+    stock_losses, _ = _pretrain(tree, tree / "pretrain_gpt.py", *TP_SP, *MOE, "--expert-tensor-parallel-size", "1")
+    _close(tsp_losses, stock_losses)
 
 
 @pytest.mark.parametrize("flags,printed_as", [
