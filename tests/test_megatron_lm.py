@@ -243,10 +243,12 @@ print("|".join(map(str, (args.tsp_size, args.tensor_model_parallel_size, args.se
 """
 
 
-@pytest.mark.parametrize("name", ["128k-tsp8", "128k-tp8-sp", "128k-tp8-sp-ring", "128k-tp4-cp2", "16k-tsp8"])
-def test_rendered_configs_parse_with_megatron_lm(name):
+@pytest.mark.parametrize("model,name", [("7b", "128k-tsp8"), ("7b", "128k-tp8-sp"), ("7b", "128k-tp8-sp-ring"),
+                                        ("7b", "128k-tp4-cp2"), ("7b", "16k-tsp8"), ("mixtral-8x7b", "128k-tsp8"),
+                                        ("olmoe", "128k-tsp8")])
+def test_rendered_configs_parse_with_megatron_lm(model, name):
     flags = subprocess.run([sys.executable, "-m", "megatron_tsp.cli", "args",
-                            os.path.join(ROOT, "configs", "7b", f"{name}.yaml")],
+                            os.path.join(ROOT, "configs", model, f"{name}.yaml")],
                            check=True, capture_output=True, text=True).stdout.split()
     env = dict(os.environ, PYTHONPATH=MEGATRON_LM + os.pathsep + os.environ.get("PYTHONPATH", ""))
     out = subprocess.run([sys.executable, "-c", PARSE, *flags], env=env, capture_output=True,
@@ -256,6 +258,7 @@ def test_rendered_configs_parse_with_megatron_lm(name):
     assert seq == ("131072" if name.startswith("128k") else "16384")
     if "tsp" in name:
         assert (tsp, tp, sp) == ("8", "8", "True") and "megatron_tsp.megatron_lm" in spec
+        assert ("block_spec" in spec) == (model != "7b")  # MoE layers where --moe-layer-freq says
     elif "ring" in name:
         assert (tsp, tp, sp) == ("1", "8", "True") and "ring_layer_spec" in spec
     else:
