@@ -10,7 +10,9 @@ TSP rides on Megatron-LM's tensor-parallel slot (docs/design.md section 6):
   ``--ring-mlp`` keeps Megatron-LM's attention and puts TSP's ring MLP in the layers;
 * :func:`add_tsp_args` declares ``--tsp-size``, ``--ring-mlp`` and ``--tsp-vocab`` for Megatron-LM's parser;
 * :func:`zigzag_get_batch` wraps pretrain_gpt's ``get_batch`` so that its own
-  ``forward_step`` feeds the TSP ranks the batch in zigzag order, and
+  ``forward_step`` feeds the TSP ranks the batch in zigzag order (with
+  ``--reset-attention-mask``, packed documents found from the EOD tokens instead of the
+  dataset's ``[b, 1, S, S]`` mask), and
   :func:`vocab_forward_step` its ``forward_step``, which puts the vocabulary ends in the
   layout ``--tsp-vocab`` chooses;
 * the TSP groups are registered before the model is built (:func:`model_provider` on
@@ -29,6 +31,7 @@ from typing import List, Optional
 
 from megatron_tsp import versions
 from megatron_tsp.core import vocab
+from megatron_tsp.core.documents import document_params
 from megatron_tsp.core.parallel_state import adopt_megatron_groups
 from megatron_tsp.core.sizes import ParallelSizes
 from megatron_tsp.core.spec import get_gpt_block_tsp_spec, get_gpt_layer_tsp_spec, with_ring_mlp
@@ -148,6 +151,10 @@ def translate_argv(argv: List[str]) -> List[str]:
     # the flags on the command line, checked before Megatron-LM parses them
     for message in violations(_given(argv), tsp, ("layout", "all", "attention", "mlp", "launch")):
         raise SystemExit(message)
+    if _present(argv, "--reset-attention-mask") and _int(argv, "--pipeline-model-parallel-size", 1) > 1:
+        raise SystemExit("--reset-attention-mask cannot be used with --pipeline-model-parallel-size > 1 under "
+                         "--tsp-size: pretrain_gpt.py gives later stages no tokens to find the documents in; "
+                         "train it with megatron-tsp train, or drop one")
     dropout = _value(argv, "--attention-dropout")
     moe = _present(argv, "--num-experts")
     spec = ("block_spec" if moe else "layer_spec") + ("_qk_layernorm" if _present(argv, "--qk-layernorm") else "")
@@ -199,27 +206,44 @@ def zigzag_get_batch(get_batch):
 
     @wraps(get_batch)
     def get_batch_in_zigzag_order(data_iterator, vp_stage=None):
-        from megatron.training import get_args
+        from megatron.training import get_args, get_tokenizer
 
         values = get_batch(data_iterator, vp_stage)
-        tsp_size = get_args().tsp_size
-        if tsp_size == 1:
+        args = get_args()
+        if args.tsp_size == 1:
             return values
         batch = dict(zip(names, values))
         packed = batch.get("packed_seq_params", batch.get("cu_seqlens"))
-        require("--sft", packed is not None, tsp_size, "get_batch")
+        require("--sft", packed is not None, args.tsp_size, "get_batch")
+        if args.reset_attention_mask and batch.get("tokens") is not None:
+            # the documents from the whole sequence's EOD tokens, before the zigzag split; no S x S mask
+            _documents.append(document_params(batch["tokens"], get_tokenizer().eod))
+            batch["attention_mask"] = None
         batch.update(zigzag_batch({k: batch.get(k) for k in ("tokens", "labels", "loss_mask", "attention_mask",
-                                                              "position_ids")}, tsp_size))
+                                                              "position_ids")}, args.tsp_size))
         return type(values)(batch[name] for name in names)
 
     return get_batch_in_zigzag_order
+
+
+# Packed documents (--reset-attention-mask) from get_batch to the model call of the same forward
+# step: pretrain_gpt's forward_step passes the model the packed_seq_params it makes itself (0.19
+# builds THD ones from cu_seqlens), so a forward pre-hook puts TSP's in their place.
+_documents: List = []
+
+
+def _documents_into_the_model(module, args, kwargs):
+    if _documents:
+        kwargs["packed_seq_params"] = _documents.pop()
+    return args, kwargs
 
 
 def vocab_forward_step(forward_step):
     """pretrain_gpt's ``forward_step``, which first puts TSP's vocabulary ends in the layout
     ``--tsp-vocab`` chooses (:mod:`megatron_tsp.core.vocab`; parameters untouched, so it can
     happen once the model is built and wrapped, which no hook of 0.19's ``pretrain`` exposes;
-    idempotent, so every call does it, for every model chunk and every rebuilt model)."""
+    idempotent, so every call does it, for every model chunk and every rebuilt model), and with
+    ``--reset-attention-mask`` hands the model the documents :func:`zigzag_get_batch` found."""
     announced = []
 
     @wraps(forward_step)
@@ -229,7 +253,11 @@ def vocab_forward_step(forward_step):
 
         a = get_args()
         if a.tsp_size > 1:
-            layout = vocab.apply_vocab_layout(unwrap_model(model), a.tsp_vocab, a.seq_length * a.micro_batch_size)
+            bare = unwrap_model(model)
+            layout = vocab.apply_vocab_layout(bare, a.tsp_vocab, a.seq_length * a.micro_batch_size)
+            if a.reset_attention_mask and not getattr(bare, "_tsp_documents", False):
+                bare.register_forward_pre_hook(_documents_into_the_model, with_kwargs=True)
+                bare._tsp_documents = True
             if not announced:
                 print_rank_0(f"> TSP vocabulary ends: {layout} layout (--tsp-vocab {a.tsp_vocab})")
                 announced.append(layout)

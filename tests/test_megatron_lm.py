@@ -174,6 +174,8 @@ def test_tsp_size_maps_onto_the_tensor_parallel_slot():
      "--expert-model-parallel-size must be --tsp-size or a divisor"),
     (["--num-experts", "8", "--expert-tensor-parallel-size", "4"], "set --expert-tensor-parallel-size 1"),
     (["--attention-dropout", "0.1"], "set --attention-dropout 0"),
+    (["--reset-attention-mask", "--pipeline-model-parallel-size", "2"],
+     "--reset-attention-mask cannot be used with --pipeline-model-parallel-size > 1"),
 ])
 def test_unsupported_flags_are_one_line_errors(argv, message):
     with pytest.raises(SystemExit, match=message):
@@ -263,6 +265,23 @@ def test_rendered_configs_parse_with_megatron_lm(model, name):
         assert (tsp, tp, sp) == ("1", "8", "True") and "ring_layer_spec" in spec
     else:
         assert tsp == "1" and spec == "None"
+
+
+DOCUMENTS = ["--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"]
+
+
+def test_packed_documents_through_pretrain_equal_stock_tp_sp(tree):
+    """``--reset-attention-mask`` with ``--tsp-size 2``: the documents found from the whole
+    sequence's EOD tokens, no ``[b, 1, S, S]`` mask (the dataloader does not build one); the
+    same losses as stock pretrain_gpt.py's TP2+SP, which applies the dataset's mask
+    (megatron's local attention)."""
+    tsp_losses, printed = _pretrain(tree, None, "--tsp-size", "2", *DOCUMENTS,
+                                    "--no-create-attention-mask-in-dataloader")
+    assert printed["reset_attention_mask"] == "True"
+    stock_losses, _ = _pretrain(tree, tree / "pretrain_gpt.py", *TP_SP, *DOCUMENTS)
+    _close(tsp_losses, stock_losses)
+    plain, _ = _pretrain(tree, tree / "pretrain_gpt.py", *TP_SP, "--reset-position-ids", "--eod-mask-loss")
+    assert plain[1] != stock_losses[1]  # the mock data has documents: the mask changes the loss
 
 
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2",

@@ -161,11 +161,6 @@ RULES: List[Rule] = [
     _feature("--use-legacy-models", "TSP needs megatron-core models", "drop --use-legacy-models", attr=None,
              layer="launch"),
     _feature("--sft", "packed (THD) sequences are not implemented", "drop --sft", attr=None, layer="launch"),
-    # pretrain_gpt.py hands the model the dataset's [b, 1, S, S] document mask, which TSP's attention does not
-    # read: documents would attend across their boundaries. megatron-tsp train reads them from the EOD tokens.
-    _feature("--reset-attention-mask", "pretrain_gpt.py hands TSP packed documents as an [S, S] mask, which it does "
-             "not read", "train with megatron-tsp train --reset-attention-mask, or drop it", attr=None,
-             layer="launch"),
     _feature("--overlap-moe-expert-parallel-comm", "mixture-of-experts is not implemented", attr=None,
              layer="launch"),
 ]
