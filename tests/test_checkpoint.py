@@ -73,17 +73,30 @@ MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64, moe_aux
 
 
 @pytest.mark.parametrize("saved,loaded", [(("tsp", 2, 2), ("tp-sp", 2, 2)), (("tsp", 2, 2), ("tsp", 4, 4)),
-                                          (("tp-sp", 2, 2), ("tsp", 2, 2))],
-                         ids=["tsp2-into-tp2-sp", "tsp2-ep2-into-tsp4-ep4", "tp2-sp-into-tsp2"])
+                                          (("tp-sp", 2, 2), ("tsp", 2, 2)), (("tsp", 2, 2), ("single", 1, 1)),
+                                          (("single", 1, 1), ("tsp", 2, 2))],
+                         ids=["tsp2-into-tp2-sp", "tsp2-ep2-into-tsp4-ep4", "tp2-sp-into-tsp2", "tsp2-ep2-into-d1",
+                              "d1-into-tsp2-ep2"])
 def test_moe_checkpoints_move_between_layouts(ranks, tmp_path, saved, loaded):
     """Mixture-of-experts models (experts folded onto the model-parallel ranks, EP = the size):
     model and optimizer saved in one layout resume in another with the uninterrupted run's
-    losses. (D=1's weights load into every layout: test_gpt's MoE tests start so.)"""
+    losses, D=1 included, whose optimizer megatron-core keeps in one part where EP > 1 keeps
+    dense and expert parts."""
     (mode, size, ep), (mode_to, size_to, ep_to) = saved, loaded
     path = str(tmp_path / "moe")
     expected = ranks(size, _train_save_continue, mode, size, path, ep=ep, **MOE)[0]
     for history in ranks(size_to, _load_continue, mode_to, size_to, path, ep=ep_to, **MOE):
         assert_history_close(history, expected)
+
+
+def _save_prefixed(path):
+    """A checkpoint as megatron-tsp saved them before: ``chained_<i>.`` optimizer keys."""
+    current = checkpointing.OPTIMIZER_METADATA
+    checkpointing.OPTIMIZER_METADATA = checkpointing.PREFIXED_OPTIMIZER_METADATA
+    try:  # the worker process runs other tests after this one
+        return _train_save_continue("tsp", 2, path, ep=2, **MOE)
+    finally:
+        checkpointing.OPTIMIZER_METADATA = current
 
 
 def _load_optimizer_of_another_split(path):
@@ -97,11 +110,10 @@ def _load_optimizer_of_another_split(path):
     return None
 
 
-def test_moe_optimizer_state_of_another_split_is_one_line(ranks, tmp_path):
-    """megatron-core keeps a MoE model's optimizer state in dense and expert parts where EP > 1
-    and in one where EP = 1; its checkpoints do not move between the two: one line, not a
-    KeyError from inside the load."""
+def test_moe_optimizer_state_of_an_older_checkpoint_is_one_line(ranks, tmp_path):
+    """A checkpoint saved with ``chained_<i>.`` keys (dense and expert parts, EP > 1) does
+    not load into one part (EP = 1): one line, not a KeyError from inside the load."""
     path = str(tmp_path / "moe")
-    ranks(2, _train_save_continue, "tsp", 2, path, ep=2, **MOE)
+    ranks(2, _save_prefixed, path)
     message = ranks(1, _load_optimizer_of_another_split, path)[0]
     assert "keeps the optimizer state in dense and expert parts" in message and "\n" not in message

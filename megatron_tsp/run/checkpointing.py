@@ -35,7 +35,11 @@ from megatron_tsp.errors import CheckpointError
 from megatron_tsp.run.compat import fix_optimizer_checkpoints
 from megatron_tsp.run.step import unwrap
 
-OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+# Per-parameter keys, the same whether megatron-core splits a MoE model's optimizer into dense
+# and expert parts (EP > 1) or not: a checkpoint's optimizer state moves between the two
+# (:func:`_regroup_optimizer_state`). Checkpoints saved before carry a ``chained_<i>.`` prefix.
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
+PREFIXED_OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 _ITERATION = re.compile(r"iter_\d{7}")
 
 
@@ -281,8 +285,11 @@ def load(path: str, model: List[torch.nn.Module], optimizer=None,
     if optimizer is not None:
         fix_optimizer_checkpoints()
         _materialize_optimizer_state(optimizer)
-        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True, metadata=OPTIMIZER_METADATA)
-        _check_optimizer_parts(path, state["optimizer"])
+        prefixed = _prefixed_optimizer_keys(path)
+        state["optimizer"] = optimizer.sharded_state_dict(
+            state, is_loading=True, metadata=PREFIXED_OPTIMIZER_METADATA if prefixed else OPTIMIZER_METADATA)
+        if prefixed:
+            _check_optimizer_parts(path, state["optimizer"])
     with_rank_state = per_rank and common.get("has_per_rank") and common.get("world_size") == dist.get_world_size()
     if with_rank_state:
         state["per_rank"] = _per_rank(None)
@@ -293,7 +300,7 @@ def load(path: str, model: List[torch.nn.Module], optimizer=None,
         raise CheckpointError(f"checkpoint {path} does not fit this model or is damaged: {first}") from exc
     unwrap(model[0]).load_state_dict(loaded.pop("model"))
     if optimizer is not None:
-        optimizer.load_state_dict(loaded.pop("optimizer"))
+        optimizer.load_state_dict(_regroup_optimizer_state(loaded.pop("optimizer"), common.get("optimizer"), optimizer))
     rank_state = loaded.pop("per_rank", None) if with_rank_state else None
     for key in ("model", "optimizer", "per_rank"):
         common.pop(key, None)
@@ -310,21 +317,61 @@ def _check_model_args(path: str, saved: Optional[Dict[str, Any]], expected: Opti
                               "load it with the same model arguments")
 
 
+def _prefixed_optimizer_keys(path: str) -> bool:
+    return any(key.startswith("chained_") for key in dist_checkpointing.load_tensors_metadata(path))
+
+
 def _check_optimizer_parts(path: str, optimizer_state: Dict[str, Any]) -> None:
-    """megatron-core keeps a mixture-of-experts model's optimizer state in two parts (dense and
-    experts: ``chained_0.``, ``chained_1.``) where the experts are sharded over more than one
-    rank, and in one part where they are not; its checkpoints do not move between the two.
-    One line instead of a KeyError from inside the load."""
-    keys = [key for key in dist_checkpointing.load_tensors_metadata(path) if "optimizer." in key]
-    if not keys:  # no optimizer state among its tensors: the load says what is missing
-        return
-    saved = any(key.startswith("chained_") for key in keys)
+    """A checkpoint saved with ``chained_<i>.`` keys (before :data:`OPTIMIZER_METADATA` left
+    them out) loads only into as many optimizer parts: one line instead of a KeyError from
+    inside the load."""
     here = any(isinstance(t, ShardedTensor) and t.key.startswith("chained_") for t in nested_values(optimizer_state))
-    if saved != here:
-        parts = {True: "dense and expert parts (expert_model_parallel_size > 1)",
-                 False: "one part (expert_model_parallel_size 1)"}
-        raise CheckpointError(f"checkpoint {path} keeps the optimizer state in {parts[saved]}, this run in "
-                              f"{parts[here]}: resume with an expert_model_parallel_size of the checkpoint's kind")
+    if not here:
+        raise CheckpointError(f"checkpoint {path} keeps the optimizer state in dense and expert parts "
+                              "(expert_model_parallel_size > 1, saved by an older megatron-tsp), this run in one part "
+                              "(expert_model_parallel_size 1): resume with an expert_model_parallel_size > 1")
+
+
+def _parts(state: Any) -> Optional[int]:
+    """Optimizer parts of a state dict's plain entries: 2 for megatron-core's chained dense and
+    expert optimizers ({0: ..., 1: ...}), 1 for one optimizer, None for none."""
+    if not isinstance(state, dict):
+        return None
+    return len([k for k in state if isinstance(k, int)]) or 1
+
+
+def _regroup_optimizer_state(loaded: Any, saved: Any, optimizer) -> Any:
+    """The optimizer state ``dist_checkpointing.load`` returned, in this optimizer's parts.
+
+    megatron-core keeps a mixture-of-experts model's optimizer in dense and expert parts where
+    the experts are sharded over more than one rank (EP > 1), in one part where they are not
+    (EP = 1, D=1 included). The parameters' states load by name either way; the plain entries
+    (``saved``, the checkpoint's: parameter-group hyperparameters, Adam's step) come in the
+    checkpoint's parts, merged beside this run's tensors. Each of this run's groups takes the
+    saved group with its identifiers but ``is_expert_parallel`` (the one the split adds)."""
+    from megatron.core.optimizer.optimizer import param_group_identifier_keys
+
+    ours = getattr(optimizer, "chained_optimizers", [optimizer])
+    if _parts(saved) in (None, len(ours) if len(ours) > 1 else 1):
+        return loaded
+    saved_parts = [saved[k] for k in sorted(k for k in saved if isinstance(k, int))] if _parts(saved) > 1 else [saved]
+    saved_groups = [g for part in saved_parts for g in part["optimizer"]["param_groups"]]
+    keys = [k for k in param_group_identifier_keys if k != "is_expert_parallel"]
+    parts = []
+    for i, opt in enumerate(ours):
+        tensors = loaded[i] if len(ours) > 1 else {k: v for k, v in loaded.items() if not isinstance(k, int)}
+        part = {**{k: v for k, v in saved_parts[0].items() if k != "optimizer"}, **tensors}
+        groups = []
+        for group in opt.state_dict()["optimizer"]["param_groups"]:
+            match = next((g for g in saved_groups if all(g.get(k) == group.get(k) for k in keys)), None)
+            if match is None:
+                wanted = {k: group.get(k) for k in keys}
+                raise CheckpointError(f"the checkpoint's optimizer has no parameter group like this run's {wanted}: "
+                                      "resume with the optimizer settings it saved")
+            groups.append({**match, **{k: group[k] for k in param_group_identifier_keys if k in group}})
+        part["optimizer"] = {**saved_parts[0]["optimizer"], "param_groups": groups}
+        parts.append(part)
+    return parts if len(ours) > 1 else parts[0]
 
 
 def _check_shapes(path: str, state: Dict[str, Any]) -> None:
