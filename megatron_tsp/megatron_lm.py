@@ -217,7 +217,7 @@ def zigzag_get_batch(get_batch):
         require("--sft", packed is not None, args.tsp_size, "get_batch")
         if args.reset_attention_mask and batch.get("tokens") is not None:
             # the documents from the whole sequence's EOD tokens, before the zigzag split; no S x S mask
-            _documents.append(document_params(batch["tokens"], get_tokenizer().eod))
+            _documents[:] = [document_params(batch["tokens"], get_tokenizer().eod)]  # this step's, none left over
             batch["attention_mask"] = None
         batch.update(zigzag_batch({k: batch.get(k) for k in ("tokens", "labels", "loss_mask", "attention_mask",
                                                               "position_ids")}, args.tsp_size))

@@ -156,13 +156,13 @@ def forget_moe_metrics() -> None:
     sizes by the layer count of the first model that records one: a later model in the same
     process (another plan, test or benchmark mode) with more layers would index past it.
     0.16 keeps them in a dict, 0.19 in a tracker object."""
-    from megatron.core.transformer.moe import moe_utils
-
     if at_least(0, 19):
         from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
 
         destroy_moe_metrics_tracker()
     else:
+        from megatron.core.transformer.moe import moe_utils
+
         moe_utils.get_moe_layer_wise_logging_tracker().clear()
 
 
@@ -216,10 +216,13 @@ def resolving_stage_specs(builder: Callable) -> Callable:
     def build_stage(args, pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
         from megatron.core.transformer.spec_utils import import_module
         from megatron.training.arguments import core_transformer_config_from_args
+        from megatron.training.yaml_arguments import core_transformer_config_from_yaml
 
         spec = import_module(args.spec) if args.spec else None
         if hasattr(spec, "build") and hasattr(spec, "layer_specs"):
-            config = config or core_transformer_config_from_args(args)
+            if config is None:  # as gpt_builder makes it
+                config = core_transformer_config_from_yaml(args, "language_model") if args.yaml_cfg is not None \
+                    else core_transformer_config_from_args(args)
             stage = spec.build(config, vp_stage)
             spec.layer_specs, spec.layer_norm = stage.layer_specs, stage.layer_norm
         return builder(args, pre_process, post_process, vp_stage=vp_stage, config=config, pg_collection=pg_collection)

@@ -99,10 +99,10 @@ def _save_prefixed(path):
         checkpointing.OPTIMIZER_METADATA = current
 
 
-def _load_optimizer_of_another_split(path):
+def _load_optimizer_of_another_split(path, **settings):
     from megatron_tsp.errors import CheckpointError
 
-    chunks, optimizer, _ = setup("single", "modern", ep=1, **MOE)
+    chunks, optimizer, _ = setup("single", "modern", ep=1, **MOE, **settings)
     try:
         checkpointing.load(path, chunks, optimizer)
     except CheckpointError as exc:
@@ -117,3 +117,13 @@ def test_moe_optimizer_state_of_an_older_checkpoint_is_one_line(ranks, tmp_path)
     ranks(2, _save_prefixed, path)
     message = ranks(1, _load_optimizer_of_another_split, path)[0]
     assert "keeps the optimizer state in dense and expert parts" in message and "\n" not in message
+
+
+def test_moe_optimizer_regrouping_needs_the_distributed_optimizer(ranks, tmp_path):
+    """megatron's other optimizers keep the parameters' states in the parts' plain entries,
+    which are not regrouped: one line, not a KeyError."""
+    path = str(tmp_path / "moe")
+    ranks(2, _train_save_continue, "tsp", 2, path, ep=2, use_distributed_optimizer=False, **MOE)
+    message = ranks(1, _load_optimizer_of_another_split, path, use_distributed_optimizer=False)[0]
+    assert "only the distributed optimizer regroups" in message and "\n" not in message
+

@@ -26,7 +26,7 @@ MOE = dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=128, expert_mod
 
 
 def _measure(mode, overrides):
-    return memory.measure(_values(**overrides), mode, CPU)
+    return memory.measure(_values(**overrides), mode, CPU, balanced=True)
 
 
 @pytest.mark.parametrize("mode,overrides", [("tsp", {}), ("tp-sp", {}), ("tp-cp", {}), ("tsp", MOE), ("tp-sp", MOE)],

@@ -97,3 +97,16 @@ def test_a_mixture_of_experts_model_is_planned_with_balanced_routing():
     assert flops[8] - flops[4] == 2 * 3 * 2 * tokens * TINY["hidden_size"] * 4
     router = 2 * 3 * 2 * tokens * TINY["hidden_size"] * 4
     assert abs(flops[4] - router - dense["flops_per_rank"]) < 0.02 * dense["flops_per_rank"]
+
+
+@pytest.mark.parametrize("settings,flag,message", [
+    (dict(moe_token_dispatcher_type="allgather"), {}, "with the alltoall dispatcher only"),
+    ({}, dict(per_layer=True), "--per-layer: the activation formula it compares against is a dense layer's"),
+])
+def test_what_the_planner_does_not_plan_of_experts_is_one_line(settings, flag, message):
+    from megatron_tsp.errors import ConfigError
+    from megatron_tsp.measure import memory
+
+    moe = dict(TINY, num_experts=4, moe_router_topk=2, expert_model_parallel_size=2, **settings)
+    with pytest.raises(ConfigError, match=message):
+        memory.plan(moe, "tsp", **flag)

@@ -140,11 +140,19 @@ def _valueless() -> Iterator[None]:
 BALANCED_ROUTING = {"moe_expert_capacity_factor": 1.0, "moe_pad_expert_input_to_capacity": True}
 
 
-def balanced_routing(args) -> None:
-    """Plan ``args``' experts (if any) with :data:`BALANCED_ROUTING`."""
-    if args.num_experts:
-        for key, value in BALANCED_ROUTING.items():
-            setattr(args, key, value)
+def balanced_routing(args, per_layer: bool = False) -> None:
+    """Plan ``args``' experts (if any) with :data:`BALANCED_ROUTING`; one line for what the
+    planner does not plan of them."""
+    if not args.num_experts:
+        return
+    if args.moe_token_dispatcher_type != "alltoall":
+        raise cfg.ConfigError(f"'moe_token_dispatcher_type' {args.moe_token_dispatcher_type}: the planner plans "
+                              "mixture-of-experts models with the alltoall dispatcher only; plan with alltoall")
+    if per_layer:
+        raise cfg.ConfigError("--per-layer: the activation formula it compares against is a dense layer's; plan "
+                              "mixture-of-experts models without --per-layer")
+    for key, value in BALANCED_ROUTING.items():
+        setattr(args, key, value)
 
 
 def _known_expert_counts(preprocess):
@@ -240,19 +248,23 @@ def plan(values: Dict, mode: str, world_size: Optional[int] = None, cp: int = DE
     # Built where it runs: FakeTensorMode cannot move a module between devices, and where the
     # weights were initialised does not change the step's memory.
     args = mode.args(dict(values, use_cpu_initialization=False), cp)
-    balanced_routing(args)
+    balanced_routing(args, per_layer)
     world_size = cfg.sizes(args, world_size).world_size
     with fake_world(world_size, rank), counts.devices_checked(device.torch):
         return _run(args, mode, world_size, StorageTracker(fake_scalars=True, detail=largest), attention_backend,
                     device, fake=True, per_layer=per_layer, fused_norm=fused_norm)
 
 
-def measure(values: Dict, mode: str, device: Device, cp: int = DEFAULT_CP, attention_backend: str = "auto") -> Dict:
+def measure(values: Dict, mode: str, device: Device, cp: int = DEFAULT_CP, attention_backend: str = "auto",
+            balanced: bool = False) -> Dict:
     """The same step for real, on this rank of the current process group (the planner's
-    check: with real tensors the tracker must see what it sees under FakeTensorMode)."""
+    check: with real tensors the tracker must see what it sees under FakeTensorMode;
+    ``balanced``: experts routed as the planner plans them, :data:`BALANCED_ROUTING`, rather
+    than as the model routes them)."""
     mode = get_mode(mode)
     args = mode.args(values, cp)
-    balanced_routing(args)
+    if balanced:
+        balanced_routing(args)
     return _run(args, mode, dist.get_world_size(), StorageTracker(fake_scalars=False), attention_backend, device,
                 fake=False)
 

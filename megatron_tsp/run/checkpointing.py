@@ -38,8 +38,8 @@ from megatron_tsp.run.step import unwrap
 # Per-parameter keys, the same whether megatron-core splits a MoE model's optimizer into dense
 # and expert parts (EP > 1) or not: a checkpoint's optimizer state moves between the two
 # (:func:`_regroup_optimizer_state`). Checkpoints saved before carry a ``chained_<i>.`` prefix.
-OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
 PREFIXED_OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+OPTIMIZER_METADATA = dict(PREFIXED_OPTIMIZER_METADATA, chained_optim_avoid_prefix=True)
 _ITERATION = re.compile(r"iter_\d{7}")
 
 
@@ -349,11 +349,18 @@ def _regroup_optimizer_state(loaded: Any, saved: Any, optimizer) -> Any:
     (``saved``, the checkpoint's: parameter-group hyperparameters, Adam's step) come in the
     checkpoint's parts, merged beside this run's tensors. Each of this run's groups takes the
     saved group with its identifiers but ``is_expert_parallel`` (the one the split adds)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
     from megatron.core.optimizer.optimizer import param_group_identifier_keys
 
     ours = getattr(optimizer, "chained_optimizers", [optimizer])
     if _parts(saved) in (None, len(ours) if len(ours) > 1 else 1):
         return loaded
+    if not all(isinstance(opt, DistributedOptimizer) for opt in ours):
+        # megatron's other optimizers keep the parameters' states inside the parts' plain entries
+        raise CheckpointError("the checkpoint's optimizer state is split into dense and expert parts where this run's "
+                              "is not, or the reverse (expert_model_parallel_size 1 against > 1), which only the "
+                              "distributed optimizer regroups: resume with use_distributed_optimizer, or with an "
+                              "expert_model_parallel_size of the checkpoint's kind")
     saved_parts = [saved[k] for k in sorted(k for k in saved if isinstance(k, int))] if _parts(saved) > 1 else [saved]
     saved_groups = [g for part in saved_parts for g in part["optimizer"]["param_groups"]]
     keys = [k for k in param_group_identifier_keys if k != "is_expert_parallel"]
