@@ -72,6 +72,8 @@ def test_bad_files_name_the_key(tmp_path, text, message):
     (dict(tensor_model_parallel_size=2, ring_mlp=True, sequence_parallel=True, num_experts=4),
      "'ring_mlp' (--ring-mlp) with num_experts is not implemented"),
     (dict(moe_ffn_hidden_size=64), "'num_experts' (--num-experts) is needed by the moe_* settings given"),
+    (dict(recompute_granularity="selective", recompute_modules=["moe"]),
+     "'recompute_modules' (--recompute-modules) must be without moe: the model has no mixture-of-experts layers"),
     (dict(tsp_size=4, num_experts=4, expert_model_parallel_size=4, moe_shared_expert_intermediate_size=6),
      "'moe_shared_expert_intermediate_size' (--moe-shared-expert-intermediate-size) must be divisible by the "
      "model-parallel size 4"),

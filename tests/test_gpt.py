@@ -219,8 +219,10 @@ def experts(ranks, tmp_path_factory):
 @pytest.mark.parametrize("variant", list(MOE))
 @pytest.mark.parametrize("mode,kwargs", [("tsp", dict(tsp=2, ep=2)), ("tsp", dict(tsp=4, ep=4)),
                                          ("tsp", dict(tsp=4, ep=2)), ("tsp", dict(tsp=2, ep=2, world=4)),
+                                         ("tsp", dict(tsp=2, ep=2, recompute="selective:moe")),
                                          ("tp-sp", dict(tp=2, ep=2)), ("tp-cp", dict(cp=2, ep=2))],
-                         ids=["tsp2-ep2", "tsp4-ep4", "tsp4-ep2", "tsp2-ep2-dp2", "tp2-sp-ep2", "cp2-ep2"])
+                         ids=["tsp2-ep2", "tsp4-ep4", "tsp4-ep2", "tsp2-ep2-dp2", "tsp2-ep2-recompute-moe",
+                              "tp2-sp-ep2", "cp2-ep2"])
 def test_moe_trains_like_single_process(ranks, experts, variant, mode, kwargs):
     """TSP attention with megatron-core's MoE layers, the experts folded onto the TSP group
     (each rank's 1/D of the tokens routed by all-to-all to experts held whole), trains as the

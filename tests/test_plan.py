@@ -99,6 +99,15 @@ def test_a_mixture_of_experts_model_is_planned_with_balanced_routing():
     assert abs(flops[4] - router - dense["flops_per_rank"]) < 0.02 * dense["flops_per_rank"]
 
 
+def test_mixture_of_experts_models_may_recompute_their_moe_layers():
+    """megatron's ``moe`` recompute module (the MoE layer whole) is a choice for MoE models
+    only; it keeps less than no recompute and more than full recompute."""
+    moe = dict(TINY, num_experts=4, moe_router_topk=2, expert_model_parallel_size=2)
+    assert "selective moe" not in plan.Planner(TINY, H100, 1, 2, "overlap").choices("tsp")
+    rows = plan.Planner(moe, H100, 1, 2, "overlap").at("tsp", 2048)["choices"]
+    assert rows["full"]["peak_gib"] < rows["selective moe"]["peak_gib"] < rows["none"]["peak_gib"]
+
+
 @pytest.mark.parametrize("settings,flag,message", [
     (dict(moe_token_dispatcher_type="allgather"), {}, "with the alltoall dispatcher only"),
     ({}, dict(per_layer=True), "--per-layer: the activation formula it compares against is a dense layer's"),

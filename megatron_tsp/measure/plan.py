@@ -36,6 +36,7 @@ CHOICES = {
     "none": {},
     "selective core_attn": dict(recompute_granularity="selective", recompute_modules=["core_attn"]),
     "selective mlp": dict(recompute_granularity="selective", recompute_modules=["mlp"]),
+    "selective moe": dict(recompute_granularity="selective", recompute_modules=["moe"]),  # MoE models only
     "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
 }
 LEAST_MEMORY = "full"
@@ -76,7 +77,9 @@ class Planner:
         return self._points[key]
 
     def choices(self, mode: str) -> List[str]:
-        return [c for c in CHOICES if c not in not_applicable(mode)]
+        moe = bool(self.values.get("num_experts"))
+        return [c for c, v in CHOICES.items()
+                if c not in not_applicable(mode) and (moe or "moe" not in v.get("recompute_modules", ()))]
 
     def longest(self, mode: str, start: int) -> Optional[int]:
         """The longest multiple of GRANULARITY that fits with the least-memory choice (None

@@ -116,7 +116,7 @@ ARGUMENTS: Dict[str, Arg] = {
     "recompute_granularity": Arg(str, None, "full or selective"),
     "recompute_method": Arg(str, None, "uniform or block"),
     "recompute_num_layers": Arg(int, None, "layers per recompute unit"),
-    "recompute_modules": Arg(list, None, "selective recompute of: core_attn (default), mlp, layernorm"),
+    "recompute_modules": Arg(list, None, "selective recompute of: core_attn (default), mlp, layernorm, moe (MoE layers)"),
     "log_interval": Arg(int, 1, "iterations between log lines"),
     "check_for_nan_in_loss_and_grad": Arg(bool, True, "stop on a NaN/Inf loss or gradient norm",
                                           flag="--no-check-for-nan-in-loss-and-grad"),
@@ -294,7 +294,7 @@ NON_NEGATIVE = ("lr", "min_lr", "lr_warmup_iters", "weight_decay", "clip_grad", 
 POSITIVE_FLOATS = ("init_method_std", "norm_epsilon")
 FRACTIONS = ("attention_dropout", "hidden_dropout", "adam_beta1", "adam_beta2")  # in [0, 1)
 MAX_SEED = 2**31
-RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm")  # megatron's, for dense GPT models
+RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm", "moe")  # megatron's; moe: its MoE layers whole
 CHOICES = {
     "position_embedding_type": ("rope", "learned_absolute"),
     "softmax_type": ("vanilla", "off-by-one", "learnable"),
@@ -336,6 +336,8 @@ def check_values(ns: argparse.Namespace) -> None:
     unknown = set(ns.recompute_modules or ()) - set(RECOMPUTE_MODULES)
     if unknown:
         raise bad("recompute_modules", f"a list of {', '.join(RECOMPUTE_MODULES)}")
+    if "moe" in (ns.recompute_modules or ()) and not ns.num_experts:
+        raise bad("recompute_modules", "without moe: the model has no mixture-of-experts layers (num_experts)")
     if ns.min_lr > ns.lr:
         raise bad("min_lr", f"<= lr {ns.lr}")
     try:
