@@ -116,7 +116,7 @@ ARGUMENTS: Dict[str, Arg] = {
     "recompute_granularity": Arg(str, None, "full or selective"),
     "recompute_method": Arg(str, None, "uniform or block"),
     "recompute_num_layers": Arg(int, None, "layers per recompute unit"),
-    "recompute_modules": Arg(list, None, "selective recompute of: core_attn (default), mlp, layernorm, moe (MoE layers)"),
+    "recompute_modules": Arg(list, None, "selective recompute of: core_attn (default), mlp, layernorm, moe"),
     "log_interval": Arg(int, 1, "iterations between log lines"),
     "check_for_nan_in_loss_and_grad": Arg(bool, True, "stop on a NaN/Inf loss or gradient norm",
                                           flag="--no-check-for-nan-in-loss-and-grad"),
