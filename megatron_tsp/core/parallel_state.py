@@ -21,7 +21,6 @@ import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 from megatron.core.process_groups_config import ProcessGroupCollection
 
-from megatron_tsp import versions
 from megatron_tsp.core.sizes import ParallelSizes
 
 _TSP_GROUP: Optional[dist.ProcessGroup] = None
@@ -181,7 +180,6 @@ def destroy_model_parallel() -> None:
     _INITIALIZED = False
     _RING_WEIGHT_GROUP = None
     mpu.destroy_model_parallel()
-    versions.forget_moe_metrics()  # sized by this model's layers, holding its tensors
 
 
 def is_initialized() -> bool:

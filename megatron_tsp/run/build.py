@@ -13,6 +13,7 @@ from megatron.core.optimizer import OptimizerConfig
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_tsp import versions
 from megatron_tsp.core import vocab
 from megatron_tsp.core.parallel_state import initialize_model_parallel
 from megatron_tsp.core.sizes import ParallelSizes
@@ -119,6 +120,7 @@ def initialize(args, device: Device, seed: bool = True, **megatron_kwargs) -> No
         enable_cpu_support()
     if args.num_experts:
         fix_moe_without_transformer_engine()
+    versions.forget_moe_metrics()  # an earlier model's in this process: sized by its layers, holding its tensors
     initialize_model_parallel(
         tsp_size=args.tsp_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
