@@ -40,7 +40,7 @@ def test_nothing_fits_on_a_gpu_too_small():
 
 def test_the_fastest_fitting_choice_is_marked():
     roomy = plan.Planner(TINY, H100, 1, 2, "overlap").at("tp-sp", 2048)
-    assert set(roomy["choices"]) == set(plan.CHOICES)
+    assert set(roomy["choices"]) == set(plan.CHOICES) - {"selective moe"}  # a dense model
     assert "selective core_attn" not in plan.Planner(TINY, H100, 1, 2, "overlap").at("tsp", 2048)["choices"]
     assert all(r["fits"] for r in roomy["choices"].values()) and roomy["best"] == "none"
     # recomputation costs time and saves memory
