@@ -108,6 +108,34 @@ def test_table_vocabulary_trains_like_single_process(ranks, single, single_check
         assert_history_close(history, expected)
 
 
+def table_prefetch_run(tied):
+    """Train as :func:`run` in the table layout, counting the output layer's table gathers
+    that the model posted ahead (core/vocab.py) and that the output layer took."""
+    from megatron_tsp.core import vocab
+    taken = []
+    original = vocab.PrefetchedRows.table
+
+    def table(self, shard):
+        full = original(self, shard)
+        taken.append(full is not None)
+        return full
+
+    vocab.PrefetchedRows.table = table
+    try:
+        history = run("tsp", "modern", steps=STEPS, tsp=2, vocab="table", tied=tied)
+    finally:
+        vocab.PrefetchedRows.table = original
+    return history, taken
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_the_output_layers_table_travels_during_the_decoder(ranks, single, tied):
+    expected = single["modern"] if tied else ranks(1, run, "single", "modern", steps=STEPS, tied=False)[0]
+    for history, taken in ranks(2, table_prefetch_run, tied):
+        assert_history_close(history, expected)
+        assert taken == [True] * 2 * STEPS  # micro-batches x steps, each taken by the output layer
+
+
 @pytest.fixture(scope="module")
 def sinks(ranks, tmp_path_factory):
     """A world=1 model with megatron's learnable softmax sinks: (its initial weights, its

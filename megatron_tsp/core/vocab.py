@@ -114,6 +114,28 @@ def _gather_rows(shard: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return full
 
 
+class PrefetchedRows:
+    """An all-gather of a vocabulary table posted before its reader runs (the output layer's,
+    posted by :class:`TableGPTModel` once the embedding is done, so that it travels while the
+    decoder computes instead of queueing, at the output layer, behind the transfers the
+    decoder's last layer posts for the backward). Registered with the model forward's
+    ``inflight``, which waits for it if the forward fails."""
+
+    def __init__(self, shard: torch.Tensor, group: dist.ProcessGroup, inflight: comm.InFlight):
+        self.shard, self.inflight = shard, inflight
+        with torch.no_grad():  # as every transfer inside an autograd function: gloo writes through views of full
+            self._sent = shard.contiguous()
+            self.full = shard.new_empty((shard.size(0) * group.size(),) + tuple(shard.shape[1:]))
+            self.work = comm.all_gather(self.full, self._sent, group, inflight)
+
+    def table(self, shard: torch.Tensor) -> Optional[torch.Tensor]:
+        """The gathered table of ``shard`` once it has arrived (None: posted for another one)."""
+        if shard is not self.shard:
+            return None
+        self.inflight.wait(self.work)
+        return self.full
+
+
 def _reduce_scatter_rows(full: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     own = full.new_empty((full.size(0) // group.size(),) + tuple(full.shape[1:]))
     with comm.InFlight() as inflight:
@@ -151,11 +173,15 @@ class GatherTableProjection(torch.autograd.Function):
 
     Backward: dy_p = dz_p W (whole, no collective); dW = dz_p^T y_p summed over this rank's
     tokens inside its GEMM (fp32), reduce-scattered to the row owners and added to their
-    ``main_grad``. The gathered table is kept for backward instead of gathered again."""
+    ``main_grad``. The gathered table is kept for backward instead of gathered again; it may
+    have been posted before (``prefetched``)."""
 
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup):
-        table = _gather_rows(shard, group)
+    def forward(ctx, hidden: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup,
+                prefetched: Optional[PrefetchedRows] = None):
+        table = prefetched.table(shard) if prefetched is not None else None
+        if table is None:
+            table = _gather_rows(shard, group)
         ctx.group = group
         ctx.save_for_backward(hidden, shard, table)
         return F.linear(hidden, table)
@@ -166,7 +192,7 @@ class GatherTableProjection(torch.autograd.Function):
         d2d = d_logits.reshape(-1, d_logits.size(-1))
         d_hidden = (d2d @ table).view_as(hidden)
         own = _reduce_scatter_rows(gemm_t(d2d, hidden.reshape(-1, hidden.size(-1))), ctx.group)
-        return d_hidden, *deliver_grads([shard], own.view(-1)), None
+        return d_hidden, *deliver_grads([shard], own.view(-1)), None, None
 
 
 class LocalCrossEntropy(torch.autograd.Function):
@@ -222,16 +248,47 @@ class TableEmbedding(LanguageModelEmbedding):
 class TableOutputLayer(ColumnParallelLinear):
     """megatron's output layer in the table layout: ``[S/D, b, h]`` -> ``[S/D, b, V]``."""
 
+    prefetched: Optional[PrefetchedRows] = None  # its table's gather, posted by the model
+
     def forward(self, input_: torch.Tensor, weight: Optional[torch.Tensor] = None, runtime_gather_output=None):
         if runtime_gather_output:
             raise NotImplementedError("TSP's table layout: gathered logits (runtime_gather_output) are not supported")
-        return GatherTableProjection.apply(input_, self.weight if weight is None else weight, self.tp_group), None
+        prefetched, self.prefetched = self.prefetched, None
+        return GatherTableProjection.apply(input_, self.weight if weight is None else weight, self.tp_group,
+                                           prefetched), None
 
 
 class TableGPTModel(GPTModel):
     """megatron's ``GPTModel`` whose loss is this rank's tokens' cross entropy, all-gathered
     into the ``[b, S]`` losses megatron's loss functions take. The gather's backward keeps
-    this rank's part (every rank computes the same loss from them)."""
+    this rank's part (every rank computes the same loss from them).
+
+    With ``prefetch_table`` (the model's TSP layers overlap their transfers), the output
+    layer's table gather is posted once the embedding is done and travels while the decoder
+    computes."""
+
+    prefetch_table = False
+    _table_transfers: Optional[comm.InFlight] = None  # this forward's, while it runs
+
+    def forward(self, *args, **kwargs):
+        if not (self.post_process and self.prefetch_table):
+            return super().forward(*args, **kwargs)
+        with comm.InFlight() as inflight:
+            self._table_transfers = inflight
+            try:
+                return super().forward(*args, **kwargs)
+            finally:
+                self._table_transfers = None
+                self.output_layer.prefetched = None
+
+    def _preprocess(self, *args, **kwargs):
+        out = super()._preprocess(*args, **kwargs)
+        if self._table_transfers is not None:  # after the embedding's own gather, not queued before it
+            run_forward_pre_hooks(self.output_layer)  # its weight is read before it is called
+            weight = (self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights
+                      else self.output_layer.weight)
+            self.output_layer.prefetched = PrefetchedRows(weight, self.pg_collection.tp, self._table_transfers)
+        return out
 
     def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         group = self.pg_collection.tp
@@ -245,7 +302,9 @@ def apply_vocab_layout(model: GPTModel, layout: str, tokens: Optional[int] = Non
     took: ``table`` swaps its embedding, output layer and loss for the table layout's
     (parameters untouched, so this may run after DDP wrapped it, and again: it is idempotent);
     ``sequence`` leaves megatron's; ``auto`` (which needs ``tokens``, S b of a micro-batch)
-    takes what :func:`choose` does, and ``sequence`` where :func:`table_blocker` objects."""
+    takes what :func:`choose` does, and ``sequence`` where :func:`table_blocker` objects. The
+    output layer's table is gathered ahead (:class:`TableGPTModel`) where the model's TSP
+    layers overlap their transfers."""
     _check(layout)
     asked = layout
     if layout == "auto":
@@ -269,4 +328,5 @@ def apply_vocab_layout(model: GPTModel, layout: str, tokens: Optional[int] = Non
     if model.post_process:
         model.output_layer.__class__ = TableOutputLayer
         model.__class__ = TableGPTModel
+        model.prefetch_table = any(getattr(m, "overlap_comm", False) for m in model.modules())
     return layout
