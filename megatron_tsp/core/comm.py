@@ -30,6 +30,7 @@ tensor, as megatron's MoE token dispatcher moves tokens to their experts and bac
 from __future__ import annotations
 
 import time
+import weakref
 from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -82,7 +83,9 @@ class InFlight:
 
     def __init__(self) -> None:
         self._handles: List[dist.Work] = []
-        self._done: List[dist.Work] = []
+        # finished works, weakly: a process group's work may hold its tensors (gloo's do), and a
+        # schedule that lets a buffer go must not keep it alive until the schedule ends
+        self._done: weakref.WeakSet = weakref.WeakSet()
 
     def add(self, handle: Handle) -> Handle:
         for work in _works(handle):
@@ -103,7 +106,7 @@ class InFlight:
                     work.wait()
                     _observer.waited(work, time.perf_counter() - start)
                 self._handles.remove(work)
-                self._done.append(work)
+                self._done.add(work)
             elif work not in self._done:
                 raise RuntimeError("InFlight.wait: a transfer that was never added to this schedule")
 

@@ -257,7 +257,7 @@ class WeightRing:
         if self.size > 1:
             acc_in = torch.empty(numel(self.own), dtype=torch.float32, device=self.own[0].device)
             self._acc_in = (acc_in, _exchange(self.group, [(self._acc_out, 1)], [(acc_in, -1)], self.inflight))
-            self._acc_out = None
+            self._acc_out = self.current = None  # the last shard that came in: the own step needs none
 
     def advance(self) -> None:
         """The next shard, once its transfer has arrived, becomes the current one."""
