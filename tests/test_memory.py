@@ -53,6 +53,8 @@ def test_planner_matches_a_real_step(ranks, mode, overrides):
         tokens, probs = 4 * routed // 2 * v["hidden_size"] * moe_layers, 4 * routed // 2 * moe_layers
         assert planned["comm_bytes_received"]["ep"] == {"forward": 2 * tokens + probs, "backward": 2 * tokens + probs}
         assert planned["comm"]["ep"]["forward"]["all_to_all"]["calls"] == 3 * moe_layers
+        assert "tp_cp" in planned["comm"]  # the router's sums: named, so priced where the group lives
+    assert not [g for g in planned["comm"] if g.startswith("group")]
 
 
 def test_categories_add_up_and_long_context_favours_tsp():

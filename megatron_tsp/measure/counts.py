@@ -31,6 +31,7 @@ def group_names() -> Dict[int, str]:
         "tsp": lambda: tsp_state.get_tsp_group(),
         "tp": lambda: mpu.get_tensor_model_parallel_group(),
         "cp": lambda: mpu.get_context_parallel_group(),
+        "tp_cp": lambda: mpu.get_tensor_and_context_parallel_group(),  # the MoE router's aux-loss sums
         "dp": lambda: mpu.get_data_parallel_group(),
         "dp_cp": lambda: mpu.get_data_parallel_group(with_context_parallel=True),
         "pp": lambda: mpu.get_pipeline_model_parallel_group(),

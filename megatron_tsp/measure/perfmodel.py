@@ -52,7 +52,7 @@ from megatron_tsp.run import flops as flops_formula
 from megatron_tsp.run.data import padded_vocab
 from megatron_tsp.run.modes import REFERENCE, SUBJECT, check_layouts, get_mode
 
-INTRA_NODE_GROUPS = ("tsp", "tp", "cp", "tsp_weight", "ep")  # experts fold onto the model-parallel ranks
+INTRA_NODE_GROUPS = ("tsp", "tp", "cp", "tp_cp", "tsp_weight", "ep")  # experts fold onto the model-parallel ranks
 SCENARIOS = ("overlap", "no_tp_overlap", "no_overlap")
 
 
