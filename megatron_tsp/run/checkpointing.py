@@ -281,11 +281,12 @@ def load(path: str, model: List[torch.nn.Module], optimizer=None,
                               "files cannot be verified; resume from another iteration (or restore the file)")
     _check_model_args(path, common.get("model_args"), model_args)
     state = _model_state(model)
-    _check_shapes(path, state)
+    saved = dist_checkpointing.load_tensors_metadata(path)  # read once: every rank reads it
+    _check_shapes(path, saved, state)
     if optimizer is not None:
         fix_optimizer_checkpoints()
         _materialize_optimizer_state(optimizer)
-        prefixed = _prefixed_optimizer_keys(path)
+        prefixed = any(key.startswith("chained_") for key in saved)
         state["optimizer"] = optimizer.sharded_state_dict(
             state, is_loading=True, metadata=PREFIXED_OPTIMIZER_METADATA if prefixed else OPTIMIZER_METADATA)
         if prefixed:
@@ -315,10 +316,6 @@ def _check_model_args(path: str, saved: Optional[Dict[str, Any]], expected: Opti
     if differ:
         raise CheckpointError(f"checkpoint {path} is of another model: {'; '.join(sorted(differ))}; "
                               "load it with the same model arguments")
-
-
-def _prefixed_optimizer_keys(path: str) -> bool:
-    return any(key.startswith("chained_") for key in dist_checkpointing.load_tensors_metadata(path))
 
 
 def _check_optimizer_parts(path: str, optimizer_state: Dict[str, Any]) -> None:
@@ -381,11 +378,10 @@ def _regroup_optimizer_state(loaded: Any, saved: Any, optimizer) -> Any:
     return parts if len(ours) > 1 else parts[0]
 
 
-def _check_shapes(path: str, state: Dict[str, Any]) -> None:
+def _check_shapes(path: str, saved: Dict[str, Any], state: Dict[str, Any]) -> None:
     """dist_checkpointing loads a tensor saved with another global shape without a word
     (a vocabulary padded differently, for one); refuse it, also for checkpoints that saved no
-    ``model_args`` (Megatron-LM's, older ones)."""
-    saved = dist_checkpointing.load_tensors_metadata(path)
+    ``model_args`` (Megatron-LM's, older ones). ``saved``: the checkpoint's tensor metadata."""
     for tensor in nested_values(state):
         if isinstance(tensor, ShardedTensor) and tensor.key in saved:
             there, here = tuple(saved[tensor.key].global_shape), tuple(tensor.global_shape)
