@@ -109,31 +109,41 @@ def test_table_vocabulary_trains_like_single_process(ranks, single, single_check
 
 
 def table_prefetch_run(tied):
-    """Train as :func:`run` in the table layout, counting the output layer's table gathers
-    that the model posted ahead (core/vocab.py) and that the output layer took."""
+    """Train as :func:`run` in the table layout, recording for each output-layer table gather
+    the model posted ahead (core/vocab.py) the schedule that posted it, and whether the
+    output layer took it."""
+    import inspect
+
     from megatron_tsp.core import vocab
-    taken = []
-    original = vocab.PrefetchedRows.table
+    posted_by, taken = [], []
+    original_init, original_table = vocab.PrefetchedRows.__init__, vocab.PrefetchedRows.table
+
+    def init(self, *args):
+        posted_by.append([f.function for f in inspect.stack()
+                          if f.function == "forward" and f.filename.endswith(("attention.py", "mlp.py"))])
+        original_init(self, *args)
 
     def table(self, shard):
-        full = original(self, shard)
+        full = original_table(self, shard)
         taken.append(full is not None)
         return full
 
-    vocab.PrefetchedRows.table = table
+    vocab.PrefetchedRows.__init__, vocab.PrefetchedRows.table = init, table
     try:
         history = run("tsp", "modern", steps=STEPS, tsp=2, vocab="table", tied=tied)
     finally:
-        vocab.PrefetchedRows.table = original
-    return history, taken
+        vocab.PrefetchedRows.__init__, vocab.PrefetchedRows.table = original_init, original_table
+    return history, posted_by, taken
 
 
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
 def test_the_output_layers_table_travels_during_the_decoder(ranks, single, tied):
     expected = single["modern"] if tied else ranks(1, run, "single", "modern", steps=STEPS, tied=False)[0]
-    for history, taken in ranks(2, table_prefetch_run, tied):
+    for history, posted_by, taken in ranks(2, table_prefetch_run, tied):
         assert_history_close(history, expected)
-        assert taken == [True] * 2 * STEPS  # micro-batches x steps, each taken by the output layer
+        # micro-batches x steps: each posted inside a TSP module's forward (the last one's last stage), and taken
+        assert len(posted_by) == 2 * STEPS and all(posted_by)
+        assert taken == [True] * 2 * STEPS
 
 
 @pytest.fixture(scope="module")

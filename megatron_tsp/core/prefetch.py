@@ -22,6 +22,10 @@ rank, so every rank posts the same collectives in the same order):
 * backward: MLP(l) -> attention(l); attention(l) -> attention(l-1) when whole layers are
   recomputed (its forward runs again first), else MLP(l-1).
 
+The last module's forward also posts, first, what the model asked for at the forward's end
+(:meth:`LayerChain.at_forward_end`: the output layer's table gather of TSP's vocabulary
+layout), so that it travels ahead of the backward's first transfers.
+
 A transfer taken by another module than the one it was posted for (a schedule this does not
 foresee) is waited for and dropped: it costs its bytes, never correctness.
 
@@ -37,7 +41,7 @@ shards), and the attention backward, which runs right after it, finds them there
 from __future__ import annotations
 
 import weakref
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import torch
 
@@ -53,6 +57,7 @@ class LayerChain:
         self.full_recompute = False
         self.layer_by_layer = False  # full recompute, one layer per checkpoint
         self.backward_follows = False  # the last module's backward runs right after its forward
+        self._at_forward_end: Optional[Callable[[], None]] = None
 
     def register(self, module) -> None:
         self._modules.append(weakref.ref(module))
@@ -90,8 +95,17 @@ class LayerChain:
             j = i - 2 if self.full_recompute else i - 1  # attention(l) -> attention(l-1) or MLP(l-1)
         return self._modules[j]() if 0 <= j < len(self._modules) else None
 
+    def at_forward_end(self, post: Optional[Callable[[], None]]) -> None:
+        """``post()`` runs once, when the last module's forward reaches its last stage, before
+        that module posts what follows it (the model's output layer's table gather:
+        :mod:`megatron_tsp.core.vocab`); None: nothing."""
+        self._at_forward_end = post
+
     def post_next(self, module, backward: bool, then_backward: bool = True) -> None:
         """During ``module``'s last stage: post the first transfer of the module after it."""
+        if not backward and self._at_forward_end is not None and self._index(module) == len(self._modules) - 1:
+            post, self._at_forward_end = self._at_forward_end, None
+            post()
         following = self.next_after(module, backward, then_backward)
         if following is not None and following.weight_group.size() > 1 and self._posted is None:
             self._posted = (weakref.ref(following), following.post_first_transfer())

@@ -40,6 +40,7 @@ from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel
 
 from megatron_tsp.core import comm
 from megatron_tsp.core.gemm import gemm_t
+from megatron_tsp.core.prefetch import LayerChain
 from megatron_tsp.core.streaming import deliver_grads, run_forward_pre_hooks
 
 LAYOUTS = ("auto", "table", "sequence")
@@ -107,26 +108,30 @@ def table_blocker(model: GPTModel) -> Optional[str]:
     return None
 
 
-def _gather_rows(shard: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+def _post_gather_rows(shard: torch.Tensor, group: dist.ProcessGroup, inflight: comm.InFlight):
+    """Start ``all_gather(shard)`` over vocabulary rows: (the ``[V, h]`` buffer, the work)."""
     full = shard.new_empty((shard.size(0) * group.size(),) + tuple(shard.shape[1:]))
+    return full, comm.all_gather(full, shard.contiguous(), group, inflight)
+
+
+def _gather_rows(shard: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     with comm.InFlight() as inflight:
-        inflight.wait(comm.all_gather(full, shard.contiguous(), group, inflight))
+        full, work = _post_gather_rows(shard, group, inflight)
+        inflight.wait(work)
     return full
 
 
 class PrefetchedRows:
-    """An all-gather of a vocabulary table posted before its reader runs (the output layer's,
-    posted by :class:`TableGPTModel` once the embedding is done, so that it travels while the
-    decoder computes instead of queueing, at the output layer, behind the transfers the
-    decoder's last layer posts for the backward). Registered with the model forward's
+    """An all-gather of the output layer's table posted before the output layer runs: by the
+    decoder's last TSP module as its forward's last stage starts (:class:`TableGPTModel`), so
+    that it travels beside that stage, ahead of the backward's first transfers, instead of
+    queueing behind them at the output layer. Registered with the model forward's
     ``inflight``, which waits for it if the forward fails."""
 
     def __init__(self, shard: torch.Tensor, group: dist.ProcessGroup, inflight: comm.InFlight):
         self.shard, self.inflight = shard, inflight
         with torch.no_grad():  # as every transfer inside an autograd function: gloo writes through views of full
-            self._sent = shard.contiguous()
-            self.full = shard.new_empty((shard.size(0) * group.size(),) + tuple(shard.shape[1:]))
-            self.work = comm.all_gather(self.full, self._sent, group, inflight)
+            self.full, self.work = _post_gather_rows(shard, group, inflight)
 
     def table(self, shard: torch.Tensor) -> Optional[torch.Tensor]:
         """The gathered table of ``shard`` once it has arrived (None: posted for another one)."""
@@ -264,37 +269,43 @@ class TableGPTModel(GPTModel):
     this rank's part (every rank computes the same loss from them).
 
     With ``prefetch_table`` (the model's TSP layers overlap their transfers), the output
-    layer's table gather is posted once the embedding is done and travels while the decoder
-    computes."""
+    layer's table gather is posted by the decoder's last TSP module as its last stage starts
+    (:meth:`LayerChain.at_forward_end`): there it travels beside that stage's compute, ahead
+    of the backward's first transfers that the module posts next, and the output layer's
+    parameters are read when the distributed optimizer's last bucket has been gathered
+    (``--overlap-param-gather``), not before the decoder, and the first layer's transfers
+    do not queue behind it."""
 
     prefetch_table = False
-    _table_transfers: Optional[comm.InFlight] = None  # this forward's, while it runs
 
     def forward(self, *args, **kwargs):
-        if not (self.post_process and self.prefetch_table):
+        chain = _chain(self.decoder) if self.prefetch_table else None
+        if chain is None:
             return super().forward(*args, **kwargs)
         with comm.InFlight() as inflight:
-            self._table_transfers = inflight
+            chain.at_forward_end(lambda: self._post_table(inflight))
             try:
                 return super().forward(*args, **kwargs)
             finally:
-                self._table_transfers = None
+                chain.at_forward_end(None)
                 self.output_layer.prefetched = None
 
-    def _preprocess(self, *args, **kwargs):
-        out = super()._preprocess(*args, **kwargs)
-        if self._table_transfers is not None:  # after the embedding's own gather, not queued before it
-            run_forward_pre_hooks(self.output_layer)  # its weight is read before it is called
-            weight = (self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights
-                      else self.output_layer.weight)
-            self.output_layer.prefetched = PrefetchedRows(weight, self.pg_collection.tp, self._table_transfers)
-        return out
+    def _post_table(self, inflight: comm.InFlight) -> None:
+        run_forward_pre_hooks(self.output_layer)  # its weight is read before it is called
+        weight = (self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights
+                  else self.output_layer.weight)
+        self.output_layer.prefetched = PrefetchedRows(weight, self.output_layer.tp_group, inflight)
 
     def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         group = self.pg_collection.tp
         loss = LocalCrossEntropy.apply(logits, _own(labels, group).transpose(0, 1).contiguous())
         loss = gather_from_sequence_parallel_region(loss, tensor_parallel_output_grad=False, group=group)
         return loss.transpose(0, 1).contiguous()
+
+
+def _chain(decoder: torch.nn.Module) -> Optional[LayerChain]:
+    """The layer chain of ``decoder``'s TSP modules (None: it has none)."""
+    return next((m.chain for m in decoder.modules() if isinstance(getattr(m, "chain", None), LayerChain)), None)
 
 
 def apply_vocab_layout(model: GPTModel, layout: str, tokens: Optional[int] = None) -> str:
