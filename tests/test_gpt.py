@@ -18,6 +18,12 @@ def single(ranks):
 
 
 @pytest.fixture(scope="module")
+def single_untied(ranks):
+    """The world=1 modern model whose output layer has its own weight."""
+    return ranks(1, run, "single", "modern", steps=STEPS, tied=False)[0]
+
+
+@pytest.fixture(scope="module")
 def single_checkpoint(ranks, tmp_path_factory):
     """The world=1 model's initial weights: pipeline stages initialise their layers from
     different RNG states, so PP runs start from this checkpoint to match world=1."""
@@ -95,7 +101,8 @@ def test_tsp_with_dp_pp_and_recompute(ranks, single, single_checkpoint, kwargs):
     ],
     ids=["tsp2", "tsp4-classic", "tsp2-pp2", "dp2-recompute-overlap", "untied", "documents"],
 )
-def test_table_vocabulary_trains_like_single_process(ranks, single, single_checkpoint, packed, kwargs):
+def test_table_vocabulary_trains_like_single_process(ranks, single, single_untied, single_checkpoint, packed,
+                                                     kwargs):
     """TSP's table layout (core/vocab.py: the gathered vocabulary table, each rank's own
     tokens' logits and cross entropy) trains as the world=1 stock model."""
     if kwargs.pop("load", False):
@@ -103,7 +110,7 @@ def test_table_vocabulary_trains_like_single_process(ranks, single, single_check
     model = kwargs.pop("model", "modern")
     expected = packed[model] if kwargs.get("documents") else single[model]
     if not kwargs.get("tied", True):
-        expected = ranks(1, run, "single", model, steps=STEPS, tied=False)[0]
+        expected = single_untied
     for history in ranks(4, run, "tsp", model, steps=STEPS, vocab="table", **kwargs):
         assert_history_close(history, expected)
 
@@ -137,8 +144,8 @@ def table_prefetch_run(tied):
 
 
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
-def test_the_output_layers_table_travels_during_the_decoder(ranks, single, tied):
-    expected = single["modern"] if tied else ranks(1, run, "single", "modern", steps=STEPS, tied=False)[0]
+def test_the_output_layers_table_travels_during_the_decoder(ranks, single, single_untied, tied):
+    expected = single["modern"] if tied else single_untied
     for history, posted_by, taken in ranks(2, table_prefetch_run, tied):
         assert_history_close(history, expected)
         # micro-batches x steps: each posted inside a TSP module's forward (the last one's last stage), and taken
