@@ -268,18 +268,18 @@ class TableGPTModel(GPTModel):
     into the ``[b, S]`` losses megatron's loss functions take. The gather's backward keeps
     this rank's part (every rank computes the same loss from them).
 
-    With ``prefetch_table`` (the model's TSP layers overlap their transfers), the output
-    layer's table gather is posted by the decoder's last TSP module as its last stage starts
-    (:meth:`LayerChain.at_forward_end`): there it travels beside that stage's compute, ahead
-    of the backward's first transfers that the module posts next, and the output layer's
-    parameters are read when the distributed optimizer's last bucket has been gathered
-    (``--overlap-param-gather``), not before the decoder, and the first layer's transfers
-    do not queue behind it."""
+    With ``table_chain`` (the layer chain of the model's TSP layers, where they overlap their
+    transfers: :func:`apply_vocab_layout`), the output layer's table gather is posted by the
+    decoder's last TSP module as its last stage starts (:meth:`LayerChain.at_forward_end`):
+    there it travels beside that stage's compute, ahead of the backward's first transfers
+    that the module posts next, and the output layer's parameters are read when the
+    distributed optimizer's last bucket has been gathered (``--overlap-param-gather``), not
+    before the decoder, and the first layer's transfers do not queue behind it."""
 
-    prefetch_table = False
+    table_chain: Optional[LayerChain] = None
 
     def forward(self, *args, **kwargs):
-        chain = _chain(self.decoder) if self.prefetch_table else None
+        chain = self.table_chain
         if chain is None:
             return super().forward(*args, **kwargs)
         with comm.InFlight() as inflight:
@@ -303,9 +303,11 @@ class TableGPTModel(GPTModel):
         return loss.transpose(0, 1).contiguous()
 
 
-def _chain(decoder: torch.nn.Module) -> Optional[LayerChain]:
-    """The layer chain of ``decoder``'s TSP modules (None: it has none)."""
-    return next((m.chain for m in decoder.modules() if isinstance(getattr(m, "chain", None), LayerChain)), None)
+def _overlapping_chain(decoder: torch.nn.Module) -> Optional[LayerChain]:
+    """The layer chain of ``decoder``'s TSP modules where they overlap their transfers (None:
+    no TSP module, or no overlap)."""
+    return next((m.chain for m in decoder.modules()
+                 if isinstance(getattr(m, "chain", None), LayerChain) and getattr(m, "overlap_comm", False)), None)
 
 
 def apply_vocab_layout(model: GPTModel, layout: str, tokens: Optional[int] = None) -> str:
@@ -339,5 +341,5 @@ def apply_vocab_layout(model: GPTModel, layout: str, tokens: Optional[int] = Non
     if model.post_process:
         model.output_layer.__class__ = TableOutputLayer
         model.__class__ = TableGPTModel
-        model.prefetch_table = any(getattr(m, "overlap_comm", False) for m in model.modules())
+        model.table_chain = _overlapping_chain(model.decoder)  # found once, not at every forward
     return layout
