@@ -151,8 +151,9 @@ def test_overlap_determinism_traffic_and_saved_memory(ranks, tsp_size):
         # only point-to-point: no all-reduce, no all-gather, no collective of any kind
         assert {p for prims in traffic.values() for p in prims} <= {"send_recv"}
         if tsp_size > 1:
-            # this MLP is the whole model: its backward's first exchange travels as its forward ends
-            moved = volumes.backward_start_in_forward(expected, tsp_size)
+            # this MLP is the whole model: its backward keeps the forward's last shard, and its
+            # first exchange travels as its forward ends
+            moved = volumes.last_mlp(expected, tsp_size)
             assert moved["forward"] == shard_bytes
             assert traffic == {phase: {"send_recv": n["send_recv"] + moved[phase]} for phase, n in expected.items()}
         assert saved <= single / tsp_size + 2 * shard_bytes

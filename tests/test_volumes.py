@@ -50,7 +50,7 @@ def test_tsp_counts_match_the_formula(shared, layout):
     for phase in ("forward", "backward"):
         assert _bytes(comm, "tsp_weight", phase, "broadcast") == LAYERS * attn[phase]["broadcast"]
         assert _bytes(comm, "tsp_weight", phase, "send_recv") == LAYERS * mlp[phase]["send_recv"] + \
-            volumes.backward_start_in_forward(mlp, D)[phase]
+            volumes.last_mlp(mlp, D)[phase]
         for primitive in ("all_gather", "reduce_scatter"):  # K/V and the vocabulary ends on the TSP group
             assert _bytes(comm, "tsp", phase, primitive) == \
                 LAYERS * attn[phase].get(primitive, 0) + ends[phase].get(primitive, 0), (phase, primitive)
@@ -88,4 +88,18 @@ def test_ring_mlp_moves_weights_instead_of_activations(shared):
             attention_only = LAYERS * layer[phase][primitive] // 2
             assert _bytes(comm, "tp", phase, primitive) == attention_only + extra[primitive], (phase, primitive)
         assert _bytes(comm, "tsp_weight", phase, "send_recv") == LAYERS * mlp[phase]["send_recv"] + \
-            volumes.backward_start_in_forward(mlp, D)[phase]
+            volumes.last_mlp(mlp, D)[phase]
+
+
+def test_every_recomputed_mlp_keeps_its_last_shard_for_its_backward():
+    """Full recompute, one layer at a time: each MLP's backward runs right after its forward
+    runs again, which keeps the shard it ended with, so every layer's backward makes one
+    weight hop fewer (as the last layer's does without recompute). The first forward (no
+    grad) keeps nothing, and moves what the forward always moves."""
+    args, comm = _plan("tsp", recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    mlp = volumes.tsp_mlp(args.hidden_size, args.ffn_hidden_size, D, e=4, gated=args.swiglu)
+    kept = volumes.last_mlp(mlp, D)
+    assert kept["backward"] < 0
+    assert _bytes(comm, "tsp_weight", "forward", "send_recv") == LAYERS * mlp["forward"]["send_recv"]
+    assert _bytes(comm, "tsp_weight", "backward", "send_recv") == \
+        LAYERS * (mlp["forward"]["send_recv"] + mlp["backward"]["send_recv"] + kept["forward"] + kept["backward"])

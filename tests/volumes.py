@@ -54,12 +54,14 @@ def tsp_mlp(hidden: int, ffn: int, tsp: int, e: int, gated: bool = False,
     return {"forward": {"send_recv": weights}, "backward": {"send_recv": weights + _share(4 * elements, tsp)}}
 
 
-def backward_start_in_forward(mlp: Volumes, tsp: int) -> Dict[str, int]:
-    """What a model's last MLP moves from its backward to its forward: its backward's first
-    weight exchange (one of the forward's D-1), posted as the forward ends, since the
-    backward starts with it (core/prefetch.py; a model that is not pipelined)."""
-    first = mlp["forward"]["send_recv"] // (tsp - 1)
-    return {"forward": first, "backward": -first}
+def last_mlp(mlp: Volumes, tsp: int) -> Dict[str, int]:
+    """What changes for a model's last MLP, whose backward runs right after its forward (a
+    model that is not pipelined; core/prefetch.py): the backward computes first with the
+    shard the forward ended with, so one weight hop (one of the forward's D-1) is not made;
+    with D > 2 the backward's first exchange is posted as the forward ends."""
+    hop = mlp["forward"]["send_recv"] // (tsp - 1)
+    moved = hop if tsp > 2 else 0
+    return {"forward": moved, "backward": -hop - moved}
 
 
 def tp_sp_layer(seq: int, batch: int, hidden: int, tp: int, e: int) -> Volumes:

@@ -9,7 +9,9 @@ ffn dimension is elementwise, so
 exactly, summed over the D shards j as they pass through rank p (shard j = (p - t) mod D at
 step t, sent on to p+1 while the next arrives from p-1). Nothing leaves the rank but weights:
 no all-reduce, no all-gather. Backward runs the ring again, with a gradient accumulator
-travelling behind each shard to its owner (``streaming.WeightRing``). Saved for backward:
+travelling behind each shard to its owner (``streaming.WeightRing``); where it runs right
+after the forward (the last layer, or a recomputed one), the shard the forward ended with
+is kept for it, one hop of D-1 fewer. Saved for backward:
 ``x_p`` and the fc1 output of every shard for this rank's tokens (1/D of what one device
 saves); only the elementwise activation is recomputed. Where the layer is recomputed anyway
 (full or ``mlp`` recompute), what it saves lives for one layer's backward only: a GELU MLP
@@ -104,8 +106,13 @@ class TSPMLP(MLP):
         """This rank's shard, in the order it travels: W1, (b1), W2."""
         return linear_pair_shard(self.linear_fc1, self.linear_fc2)
 
-    def post_first_transfer(self):
-        """Post this layer's first ring exchange (own shard out, the neighbour's in): :mod:`prefetch`."""
+    def post_first_transfer(self, after_own_forward: bool = False):
+        """Post this layer's first ring exchange (own shard out, the neighbour's in): :mod:`prefetch`.
+        ``after_own_forward``: for the backward that follows this layer's forward at once,
+        which keeps the shard it ended with; with D = 2 that is the backward's first, and
+        nothing is posted (None)."""
+        if after_own_forward and self.weight_group.size() == 2:
+            return None
         return WeightRing.post(self.shard_tensors(), self.weight_group)
 
     def activation(self, h: torch.Tensor) -> torch.Tensor:
@@ -185,6 +192,12 @@ class MLPScheduleArgs:
         if self.chain is not None:
             self.chain.post_next(self.module, backward, then_backward)
 
+    def backward_follows_at_once(self, then_backward: bool) -> bool:
+        """This forward's own backward runs next (:meth:`LayerChain.next_after`): the forward
+        keeps its last shard for it."""
+        return (then_backward and self.chain is not None
+                and self.chain.next_after(self.module, backward=False, then_backward=True) is self.module)
+
     def claim_backward_prefetch(self):
         """What the attention before this MLP stashed for its backward (:mod:`prefetch`),
         claimed always (so that nothing is held past this forward), used only with overlap."""
@@ -199,7 +212,9 @@ class RotateMLPShards(torch.autograd.Function):
     Each step t: post the ring exchange (this shard on, the next in; with ``overlap`` before
     computing, else after), compute with shard j = (p - t) mod D, take the next shard.
     Backward takes the steps in :meth:`WeightRing.steps` order, this rank's own shard last,
-    so that the last gradient hop travels while the owner computes its own part. The
+    so that the last gradient hop travels while the owner computes its own part; a
+    backward that runs right after this forward takes the forward's last shard, kept in
+    ``ctx.last``, instead of receiving it again. The
     layer after this one gets its first shard posted during the last step
     (:mod:`prefetch`); its backward starts by posting the K/V re-gather of the attention
     backward that follows it. Saved: x_p and, per shard, this rank's fc1 output ``h_j`` (together 1/D
@@ -216,6 +231,7 @@ class RotateMLPShards(torch.autograd.Function):
         y = None
         hidden = [None] * d_size
         acts = [None] * d_size if args.activation_grad is not None else []
+        then_backward = args.backward_follows and any(ctx.needs_input_grad)
         with comm.InFlight() as inflight:
             ring = WeightRing(own, args.weight_group, inflight, first=args.first_transfer())
             for t in range(d_size):
@@ -224,7 +240,7 @@ class RotateMLPShards(torch.autograd.Function):
                 if not args.overlap:
                     ring.wait_all()
                 elif t == d_size - 1:
-                    args.post_next(backward=False, then_backward=args.backward_follows and any(ctx.needs_input_grad))
+                    args.post_next(backward=False, then_backward=then_backward)
                 h = F.linear(x, *shard[:-1])
                 a = args.activation(h)
                 y = gemm(a.reshape(-1, a.size(-1)), shard[-1].t(), out=y, accumulate=y is not None)
@@ -234,6 +250,8 @@ class RotateMLPShards(torch.autograd.Function):
                 ring.advance()
         ctx.args = args
         ctx.n_shard = len(own)
+        # the shard computed with last, for the backward's step D-1 (WeightRing's ``last``)
+        ctx.last = ring.current if args.backward_follows_at_once(then_backward) else None
         # the attention backward that runs right after this backward: its K/V re-gather
         ctx.post_at_backward = args.claim_backward_prefetch()
         ctx.save_for_backward(x, *own, *hidden, *acts)
@@ -249,7 +267,9 @@ class RotateMLPShards(torch.autograd.Function):
         x2d = x.reshape(-1, x.size(-1))
         dx = None
         with comm.InFlight() as inflight:
-            ring = WeightRing(own, args.weight_group, inflight, backward=True, first=args.first_transfer())
+            ring = WeightRing(own, args.weight_group, inflight, backward=True, first=args.first_transfer(),
+                              last=ctx.last)
+            ctx.last = None
             ring.first()
             handed = []
             if ctx.post_at_backward is not None:

@@ -18,7 +18,9 @@ rank, so every rank posts the same collectives in the same order):
 * forward: attention(l) -> MLP(l) -> attention(l+1); a recomputed MLP(l) (inside the
   backward pass) -> its own backward; the last MLP of a model that is not pipelined (its
   backward follows its forward) -> its own backward, or, with each layer recomputed on its
-  own (full, uniform, one layer), the last layer's attention, recomputed first;
+  own (full, uniform, one layer), the last layer's attention, recomputed first. An MLP
+  whose own backward follows keeps the shard it ended with for it (``WeightRing``'s
+  ``last``), and posts its backward's first exchange only where that is another (D > 2);
 * backward: MLP(l) -> attention(l); attention(l) -> attention(l-1) when whole layers are
   recomputed (its forward runs again first), else MLP(l-1).
 
@@ -108,7 +110,10 @@ class LayerChain:
             post()
         following = self.next_after(module, backward, then_backward)
         if following is not None and following.weight_group.size() > 1 and self._posted is None:
-            self._posted = (weakref.ref(following), following.post_first_transfer())
+            transfer = (following.post_first_transfer(after_own_forward=True) if following is module
+                        else following.post_first_transfer())
+            if transfer is not None:
+                self._posted = (weakref.ref(following), transfer)
 
     def stash(self, module, post) -> None:
         """After ``module``'s forward: ``post()`` starts the first transfers of its backward,

@@ -16,7 +16,8 @@ ring-flash-attention's ``RingComm`` does:
 * :class:`WeightRing` (MLP; at step t rank p holds shard ``(p - t) mod D``, in the order
   ``steps()``): ``start(t)`` (send the current shard to p+1, receive the next from p-1; in
   backward also the gradient accumulators), ``advance()``; backward also ``first()`` and
-  ``last_hop()``; gradients: ``grad_buffer(t)``, ``finish_grad(t, flat)``, ``own_grad()``.
+  ``last_hop()``, and no hop for a shard its forward kept (``last``); gradients:
+  ``grad_buffer(t)``, ``finish_grad(t, flat)``, ``own_grad()``.
 
 The first transfer of a layer's stream may already be in flight when the layer starts: the
 layer before it started it during its last stage (:mod:`megatron_tsp.core.prefetch`). A
@@ -182,16 +183,23 @@ class WeightRing:
     (step 1, a fresh buffer, ``grad_buffer(1)``); every later holder receives it during its
     step and adds its contribution (``grad_buffer(t)`` waits for it); the holder at step
     D-1 sends it on to the owner (``last_hop()``), which writes its own part into a fresh
-    buffer (``grad_buffer(0)``) and adds what arrived (``own_grad()``)."""
+    buffer (``grad_buffer(0)``) and adds what arrived (``own_grad()``).
+
+    ``last`` (backward): the shard of step D-1, shard p+1, which the forward computed with
+    last, kept by a forward whose backward runs right after it (:mod:`prefetch`). Its hop
+    is not made: with D = 2 the backward moves no weights at all, only the accumulators."""
 
     def __init__(self, own: Sequence[torch.Tensor], group: dist.ProcessGroup, inflight: comm.InFlight,
-                 backward: bool = False, first: Optional[Tuple[torch.Tensor, comm.Handle]] = None):
+                 backward: bool = False, first: Optional[Tuple[torch.Tensor, comm.Handle]] = None,
+                 last: Optional[torch.Tensor] = None):
         self.own = list(own)
         self.group = group
         self.size, self.rank = group.size(), group.rank()
         self.inflight = inflight
         self.backward = backward
-        self.current = None if self.size == 1 else pack(own)
+        self._last = last if backward and self.size > 1 else None
+        # the own shard travels packed first, unless the one shard it would fetch is kept (D = 2)
+        self.current = pack(own) if self.size > 1 and (not backward or self._receives(1)) else None
         self._incoming: Optional[Tuple[torch.Tensor, comm.Handle]] = None
         self._acc_in: Optional[Tuple[torch.Tensor, comm.Handle]] = None
         self._acc_out: Optional[torch.Tensor] = None  # finished accumulator, sent at the next start
@@ -229,7 +237,7 @@ class WeightRing:
             return
         sends, recvs = [], []
         incoming = None
-        if self._incoming is None and (t < self.size - 1 if not self.backward else 1 <= t < self.size - 1):
+        if self._incoming is None and (t < self.size - 1 if not self.backward else self._receives(t + 1)):
             incoming = torch.empty_like(self.current)
             sends.append((self.current, 1))
             recvs.append((incoming, -1))
@@ -238,7 +246,7 @@ class WeightRing:
             if self._acc_out is not None:
                 sends.append((self._acc_out, 1))
             if t >= 2:
-                acc_in = torch.empty(numel(self.own), dtype=torch.float32, device=self.current.device)
+                acc_in = torch.empty(numel(self.own), dtype=torch.float32, device=self.own[0].device)
                 recvs.append((acc_in, -1))
         works = _exchange(self.group, sends, recvs, self.inflight)
         if incoming is not None:
@@ -247,9 +255,14 @@ class WeightRing:
             self._acc_in = (acc_in, works)
         self._acc_out = None
 
+    def _receives(self, t: int) -> bool:
+        """Backward: whether step t's shard travels (steps 1..D-1, less a kept one)."""
+        return 1 <= t < self.size and not (t == self.size - 1 and self._last is not None)
+
     def first(self) -> None:
-        """Backward, before step 1: the first exchange (own shard out, p-1's in), unless posted."""
-        if self.size > 1 and self._incoming is None:
+        """Backward, before step 1: the first exchange (own shard out, p-1's in), unless posted
+        or kept."""
+        if self.size > 1 and self._incoming is None and self._receives(1):
             self._incoming = self.post(self.own, self.group, self.current, self.inflight)[1:]
 
     def last_hop(self) -> None:
@@ -260,11 +273,14 @@ class WeightRing:
             self._acc_out = self.current = None  # the last shard that came in: the own step needs none
 
     def advance(self) -> None:
-        """The next shard, once its transfer has arrived, becomes the current one."""
+        """The next shard, once its transfer has arrived (or the kept one, which did not
+        travel), becomes the current one."""
         if self._incoming is not None:
             incoming, works = self._incoming
             self.inflight.wait(works)
             self.current, self._incoming = incoming, None
+        elif self._last is not None:
+            self.current, self._last = self._last, None
 
     def wait_all(self) -> None:
         """Wait for everything posted (without overlap: the transfer, then the compute)."""
