@@ -374,16 +374,20 @@ def _kernel_calls(tsp_size):
 def test_tsp_backward_runs_no_attention_forward(ranks, tsp_size):
     # per head group, in the zigzag layout with a top-left kernel (aten's CPU flash): forward,
     # rank p's chunk 2D-1-p a causal and a full block, chunk p a causal block and, but on
-    # rank 0, a full block before it. Backward (zigzag_backward_blocks): chunk 2D-1-p's causal
+    # rank 0, a full block before it, cut at the edges of the rank's own key chunks, which run
+    # first (zigzag_own_keys_first). Backward (zigzag_backward_blocks): chunk 2D-1-p's causal
     # block, its full blocks before slot D (but on rank D-1) and from slot D+p (on rank 0 one
     # full block), both chunks' full block over slots D..D+p-1 (but on rank 0), and chunk p's
     # causal block; the last head group's cut at the edges of the rank's own key chunks, which
     # run last (zigzag_own_keys_last). At D=1 the sequence is one causal block.
-    from megatron_tsp.core.block_attention import zigzag_own_keys_last
+    from megatron_tsp.core.block_attention import zigzag_blocks, zigzag_own_keys_first, zigzag_own_keys_last
 
     d = tsp_size
     for rank, (forward, backward) in enumerate(ranks(tsp_size, _kernel_calls, tsp_size)):
-        forward_blocks = 1 if d == 1 else d * (3 + (rank != 0))
+        by_chunk = [[b for b in zigzag_blocks(d, rank, 1) if b[0] == q0] for q0 in (0, 1)]
+        assert sum(map(len, by_chunk)) == 3 + (rank != 0)
+        forward_blocks = 1 if d == 1 else d * sum(len(mine) + len(others)
+                                                  for mine, others in zigzag_own_keys_first(d, rank, 1, by_chunk))
         backward_blocks = 1 if d == 1 else ((d - 1) * (3 if rank == 0 else 4 + (rank + 1 < d))
                                             + len(zigzag_own_keys_last(d, rank, 1)[0]))
         assert forward == {"forward": forward_blocks, "backward": 0}

@@ -97,6 +97,29 @@ def test_own_keys_last_computes_the_same_pairs_and_sends_only_what_is_final(d):
         assert len(_pairs(blocks[split:])) == c * c + c * (c + 1)
 
 
+@pytest.mark.parametrize("bottom_right", [False, True])
+@pytest.mark.parametrize("d", [2, 3, 4, 8])
+def test_own_keys_first_computes_the_same_pairs_own_keys_from_the_ranks_own_rows(d, bottom_right):
+    """zigzag_own_keys_first: each query chunk's forward pairs, each once, split into those
+    against the rank's own key chunks (slots D+r and r, read from its own K/V: rows 0..c its
+    first chunk, c..2c its second) and those against the others' (the zigzag layout, none in
+    an own slot); every query row has an own key (its diagonal), so both parts merge by lse."""
+    from megatron_tsp.core.block_attention import zigzag_blocks, zigzag_own_keys_first
+
+    c = 3
+    for r in range(d):
+        forward = zigzag_blocks(d, r, c, bottom_right)
+        by_chunk = [[(b[0] - q0, b[1] - q0, *b[2:]) for b in forward if b[0] == q0] for q0 in (0, c)]
+        slot_row = {**{i: (d + r) * c + i for i in range(c)}, **{c + i: r * c + i for i in range(c)}}
+        own_rows = set(slot_row.values())
+        for blocks_, (mine, others) in zip(by_chunk, zigzag_own_keys_first(d, r, c, by_chunk)):
+            mapped = [(i, slot_row[j]) for i, j in _pairs(mine)]
+            assert all(j in own_rows for _, j in mapped) and not own_rows & {j for _, j in _pairs(others)}
+            together = mapped + _pairs(others)
+            assert len(together) == len(set(together)) and sorted(together) == sorted(_pairs(blocks_))
+            assert {i for i, _ in mapped} == set(range(c))
+
+
 @pytest.mark.parametrize("backend", ["flash", "math"])  # a window's pieces: whole chunks, or cut for masks
 @pytest.mark.parametrize("d", [2, 3, 4])
 def test_window_blocks_compute_each_pair_in_the_window_once(d, backend):

@@ -47,6 +47,7 @@ from megatron_tsp.core.block_attention import (
     attend_into,
     bhsd,
     bottom_right,
+    merge_into,
     resolve_backend,
     sink_grad,
     validate_backend,
@@ -54,6 +55,7 @@ from megatron_tsp.core.block_attention import (
     zigzag_backward_blocks,
     zigzag_blocks,
     zigzag_document_blocks,
+    zigzag_own_keys_first,
     zigzag_own_keys_last,
     zigzag_window_blocks,
 )
@@ -219,7 +221,7 @@ class TSPSelfAttention(SelfAttention):
         d_size, rank = self.tsp_group.size(), self.tsp_group.rank()
         seq_len = hidden_states.size(0) * d_size
         documents = document_starts(packed_seq_params, hidden_states.size(1), seq_len, "TSPSelfAttention")
-        own_keys_last = None
+        own_keys_last = own_keys_first = None
         freqs = None
         if rotary_pos_emb is not None:
             if isinstance(rotary_pos_emb, tuple):
@@ -246,6 +248,8 @@ class TSPSelfAttention(SelfAttention):
         starts = sorted({b[0] // chunk * chunk for b in blocks})  # a query chunk's blocks may cut it in pieces
         chunks = [(slice(q0, q0 + chunk), [(b[0] - q0, b[1] - q0, *b[2:]) for b in blocks if q0 <= b[0] < q0 + chunk])
                   for q0 in starts]
+        if own_keys_last is not None:
+            own_keys_first = zigzag_own_keys_first(d_size, rank, chunk, [b for _, b in chunks])
         args = AttentionScheduleArgs(
             kv_group=self.tsp_group, weight_group=self.weight_group, split_heads=self.split_heads,
             rope=self.rope_tables(freqs, hidden_states.dtype), chunks=chunks, backward_blocks=backward_blocks,
@@ -254,6 +258,7 @@ class TSPSelfAttention(SelfAttention):
             kv_heads=self.num_query_groups_per_partition, has_bias=self.linear_qkv.bias is not None,
             overlap=self.overlap_comm, lookahead=self.lookahead,
             chain=self.chain, module=self, softmax_type=self.config.softmax_type, own_keys_last=own_keys_last,
+            own_keys_first=own_keys_first,
             backward_follows=torch.is_grad_enabled() or self.config.recompute_granularity == "full")
         sink = []
         if self.config.softmax_type == "learnable":  # read, not called: its pre-hooks stand in (streaming.py)
@@ -294,6 +299,7 @@ class AttentionScheduleArgs:
     module: object
     softmax_type: str = "vanilla"  # megatron's: vanilla, off-by-one (a sink logit 0), learnable (its parameter)
     own_keys_last: Optional[Tuple[list, int]] = None  # :func:`zigzag_own_keys_last`, for the last head group
+    own_keys_first: Optional[list] = None  # :func:`zigzag_own_keys_first`, per query chunk of the forward
     backward_follows: bool = True  # grad mode at the call, or a recomputed layer's first pass
 
     def columns(self, r: int) -> slice:
@@ -304,10 +310,15 @@ class AttentionScheduleArgs:
 
 
 class HeadGroup(NamedTuple):
-    """Forward, one head group: its queries for this rank's tokens, and its K/V being gathered."""
+    """Forward, one head group: its queries for this rank's tokens, its K/V being gathered,
+    this rank's own K/V (the gather's send buffer), and, once attended, per query chunk its
+    attention against the own keys (:func:`zigzag_own_keys_first`): fp32 and its lse, or the
+    chunk's output and lse where it sees no other keys."""
 
     query: torch.Tensor
     kv: GatherKV
+    local: torch.Tensor
+    own: Optional[List[Tuple[torch.Tensor, torch.Tensor]]] = None
 
 
 class StreamAttentionHeads(torch.autograd.Function):
@@ -348,7 +359,29 @@ class StreamAttentionHeads(torch.autograd.Function):
                 if d_size > 1:
                     proj[:, args.columns(r)].copy_(shard[-1])
                 stream.release(r)
-                return HeadGroup(query, GatherKV(local, args.kv_group, inflight) if d_size > 1 else local)
+                group = HeadGroup(query, GatherKV(local, args.kv_group, inflight) if d_size > 1 else local, local)
+                if args.own_keys_first is None:
+                    return group
+                if not args.overlap:  # the transfer, then the compute
+                    inflight.wait(group.kv.works())
+                # its blocks against this rank's own keys, which need nothing to arrive
+                keys, values = local[:, 0], local[:, 1]
+                parts = []
+                for (rows, _), (mine, others) in zip(args.chunks, args.own_keys_first):
+                    o = columns(r)[rows]  # final where the chunk sees no other keys
+                    part = o.new_empty(o.shape, dtype=torch.float32) if others else o
+                    parts.append((part, attend_into(query[rows], keys, values, mine, args.softmax_scale, args.backend,
+                                                    part)))
+                return group._replace(own=parts)
+
+            def columns(r: int) -> torch.Tensor:
+                return out[..., args.columns(r)].view(out.shape[:2] + (-1, args.head_dim))
+
+            def arrived(group: HeadGroup, i: int) -> Tuple[torch.Tensor, torch.Tensor]:
+                """The group's gathered K and V, once what query chunk i attends to has arrived."""
+                if d_size == 1:
+                    return group.kv[:, 0], group.kv[:, 1]
+                return group.kv.wait_first() if i == 0 else group.kv.wait()
 
             ahead = args.lookahead if args.overlap else 0
             for r in range(1 + ahead):
@@ -361,15 +394,18 @@ class StreamAttentionHeads(torch.autograd.Function):
                     if r == d_size - 1:  # the next layer's first shard travels during this last group
                         args.chain.post_next(args.module, backward=False,
                                              then_backward=args.backward_follows and any(ctx.needs_input_grad))
-                    upcoming = project(r + 1) if r + 1 < d_size else None
-                o = out[..., args.columns(r)].view(out.shape[:2] + (-1, args.head_dim))
+                    upcoming = project(r + 1) if r + 1 < d_size else None  # its own keys' blocks too
+                o = columns(r)
                 for i, (rows, blocks) in enumerate(args.chunks):  # the first chunk's keys arrive first
-                    if d_size > 1:
-                        keys, values = group.kv.wait_first() if i == 0 else group.kv.wait()
-                    else:
-                        keys, values = group.kv[:, 0], group.kv[:, 1]
-                    lse = attend_into(group.query[rows], keys, values, blocks, args.softmax_scale,
-                                      args.backend, o[rows])
+                    if group.own is None:
+                        lse = attend_into(group.query[rows], *arrived(group, i), blocks, args.softmax_scale,
+                                          args.backend, o[rows])
+                    else:  # the blocks against the other ranks' keys, merged with the own keys' part
+                        (part, lse), others = group.own[i], args.own_keys_first[i][1]
+                        if others:
+                            rest = torch.empty_like(part)
+                            lse = merge_into(o[rows], part, lse, rest, attend_into(
+                                group.query[rows], *arrived(group, i), others, args.softmax_scale, args.backend, rest))
                     lses.append(lse if sinks is None else apply_sink(bhsd(o[rows])[0], lse, sinks[r]))
                 if not args.overlap and r + 1 < d_size:
                     stream.start(r + 1)

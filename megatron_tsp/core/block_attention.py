@@ -195,6 +195,36 @@ def zigzag_own_keys_last(size: int, rank: int, chunk: int) -> Tuple[List[Block],
     return others + mine, len(others)
 
 
+def zigzag_own_keys_first(size: int, rank: int, chunk: int, chunk_blocks: Sequence[Sequence[Block]]
+                          ) -> List[Tuple[List[Block], List[Block]]]:
+    """The forward's blocks of each query chunk of TSP rank ``rank`` (``chunk_blocks``: rows
+    relative to the chunk, keys in the zigzag layout, as :func:`zigzag_blocks` grouped by
+    chunk) split into those against this rank's own two key chunks, which run before any
+    K/V arrive, in the rows of its own K/V (``[2c]``: its first chunk, then its second), and
+    those against the other ranks' chunks, in the zigzag layout. A block is cut at the own
+    slots' edges (slot D+rank: rows 0..c; slot rank: rows c..2c), and a bottom-right causal
+    block over more keys than queries into a full block and its square causal end: exact
+    once each query chunk's two parts are merged by lse."""
+    own = {(size + rank) * chunk: 0, rank * chunk: chunk}  # slot's first key row -> own row
+    split = []
+    for blocks_ in chunk_blocks:
+        mine, others = [], []
+        for q0, q1, k0, k1, causal in blocks_:
+            square = q1 - q0
+            pieces = [(k0, k1 - square, False), (k1 - square, k1, True)] if causal and k1 - k0 > square else \
+                [(k0, k1, causal)]
+            for a, b, c in pieces:
+                cuts = sorted({a, b, *(x for s in own for x in (s, s + chunk) if a < x < b)})
+                for x, y in zip(cuts, cuts[1:]):
+                    slot = next((s for s in own if s <= x and y <= s + chunk), None)
+                    if slot is None:
+                        others.append((q0, q1, x, y, c))
+                    else:
+                        mine.append((q0, q1, x - slot + own[slot], y - slot + own[slot], c))
+        split.append((mine, others))
+    return split
+
+
 def window_of(layer_number: int, config, where: str) -> int:
     """The causal sliding window of megatron's layer ``layer_number`` (1-based, global):
     ``config.window_size[0]``, the keys before a query that it sees, where megatron-core makes
@@ -1078,6 +1108,18 @@ def attend_into(query, keys, values, blocks_: Sequence[Block], scale: float, bac
     will do); returns the lse ``[b, hq, sq]`` to save for :func:`attend_backward_into`."""
     q, k, v, o = bhsd(query, keys, values, out)
     return _block_attention_into(q, k, v, _flat(blocks_), float(scale), backend, o)
+
+
+def merge_into(out: torch.Tensor, first: torch.Tensor, first_lse: torch.Tensor, second: torch.Tensor,
+               second_lse: torch.Tensor) -> torch.Tensor:
+    """Two attentions of the same queries over disjoint keys, ``first`` and ``second`` (fp32,
+    megatron layout ``[sq, b, h, d]``, as :func:`attend_into` wrote them) with their lse
+    ``[b, h, sq]``, merged into ``out``: first·exp(l1 - L) + second·exp(l2 - L), summed in
+    fp32 and rounded once; returns L = log(exp(l1) + exp(l2)). ``first`` is overwritten."""
+    lse = torch.logaddexp(first_lse, second_lse)
+    first.mul_(torch.exp(first_lse - lse).permute(2, 0, 1).unsqueeze(-1))
+    torch.addcmul(first, second, torch.exp(second_lse - lse).permute(2, 0, 1).unsqueeze(-1), out=out)
+    return lse
 
 
 def attend_backward_into(d_out, query, keys, values, out, lse, blocks_: Sequence[Block], scale: float,
