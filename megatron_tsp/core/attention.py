@@ -359,19 +359,21 @@ class StreamAttentionHeads(torch.autograd.Function):
                 if d_size > 1:
                     proj[:, args.columns(r)].copy_(shard[-1])
                 stream.release(r)
-                group = HeadGroup(query, GatherKV(local, args.kv_group, inflight) if d_size > 1 else local, local)
-                if args.own_keys_first is None:
+                return HeadGroup(query, GatherKV(local, args.kv_group, inflight) if d_size > 1 else local, local)
+
+            def attend_own(r: int, group: Optional[HeadGroup]) -> Optional[HeadGroup]:
+                """Group r's blocks against this rank's own keys, which need nothing to arrive."""
+                if group is None or args.own_keys_first is None:
                     return group
                 if not args.overlap:  # the transfer, then the compute
                     inflight.wait(group.kv.works())
-                # its blocks against this rank's own keys, which need nothing to arrive
-                keys, values = local[:, 0], local[:, 1]
+                keys, values = group.local[:, 0], group.local[:, 1]
                 parts = []
                 for (rows, _), (mine, others) in zip(args.chunks, args.own_keys_first):
                     o = columns(r)[rows]  # final where the chunk sees no other keys
                     part = o.new_empty(o.shape, dtype=torch.float32) if others else o
-                    parts.append((part, attend_into(query[rows], keys, values, mine, args.softmax_scale, args.backend,
-                                                    part)))
+                    parts.append((part, attend_into(group.query[rows], keys, values, mine, args.softmax_scale,
+                                                    args.backend, part)))
                 return group._replace(own=parts)
 
             def columns(r: int) -> torch.Tensor:
@@ -394,7 +396,11 @@ class StreamAttentionHeads(torch.autograd.Function):
                     if r == d_size - 1:  # the next layer's first shard travels during this last group
                         args.chain.post_next(args.module, backward=False,
                                              then_backward=args.backward_follows and any(ctx.needs_input_grad))
-                    upcoming = project(r + 1) if r + 1 < d_size else None  # its own keys' blocks too
+                    upcoming = project(r + 1) if r + 1 < d_size else None
+                if r == 0:  # once the next group's gather is posted too
+                    group = attend_own(0, group)
+                if args.overlap:  # while this group's K/V still travel
+                    upcoming = attend_own(r + 1, upcoming)
                 o = columns(r)
                 for i, (rows, blocks) in enumerate(args.chunks):  # the first chunk's keys arrive first
                     if group.own is None:
@@ -409,7 +415,7 @@ class StreamAttentionHeads(torch.autograd.Function):
                     lses.append(lse if sinks is None else apply_sink(bhsd(o[rows])[0], lse, sinks[r]))
                 if not args.overlap and r + 1 < d_size:
                     stream.start(r + 1)
-                    upcoming = project(r + 1)
+                    upcoming = attend_own(r + 1, project(r + 1))
                 group = upcoming
         y = F.linear(out, proj)  # one GEMM over the head groups: fp32 inside, rounded once
         ctx.args = replace(args, rope=None)  # the tables travel as saved tensors
