@@ -326,7 +326,10 @@ class StreamAttentionHeads(torch.autograd.Function):
 
     Forward, per head group r (explicit loop): the broadcasts of the next ``lookahead``
     shards are in flight; group r+1 is projected and its K/V all-gather started before group
-    r attends, so that the gather runs during the attention. Group r's attention output goes
+    r attends, so that the gather runs during the attention. In the zigzag layout a group
+    attends first to this rank's own two key chunks, which need no transfer (group r+1's
+    before group r's others; group 0's once group 1's gather is posted too), then to the
+    others' once they arrive, merged by lse (:func:`zigzag_own_keys_first`). Group r's attention output goes
     into its columns of O, its projection shard into its columns of Wproj, and its weight
     buffer goes. Backward re-broadcasts W_r, re-gathers K_r, V_r from the saved projection
     ``m_r`` and runs the attention kernels' backward from ``(O_r, lse_r)``: no attention
