@@ -47,7 +47,6 @@ from megatron_tsp.core.block_attention import (
     attend_into,
     bhsd,
     bottom_right,
-    merge_into,
     resolve_backend,
     sink_grad,
     validate_backend,
@@ -329,7 +328,7 @@ class StreamAttentionHeads(torch.autograd.Function):
     r attends, so that the gather runs during the attention. In the zigzag layout a group
     attends first to this rank's own two key chunks, which need no transfer (group r+1's
     before group r's others; group 0's once group 1's gather is posted too), then to the
-    others' once they arrive, merged by lse (:func:`zigzag_own_keys_first`). Group r's attention output goes
+    others' once they arrive, merged with the first part by lse inside the op. Group r's attention output goes
     into its columns of O, its projection shard into its columns of Wproj, and its weight
     buffer goes. Backward re-broadcasts W_r, re-gathers K_r, V_r from the saved projection
     ``m_r`` and runs the attention kernels' backward from ``(O_r, lse_r)``: no attention
@@ -412,9 +411,8 @@ class StreamAttentionHeads(torch.autograd.Function):
                     else:  # the blocks against the other ranks' keys, merged with the own keys' part
                         (part, lse), others = group.own[i], args.own_keys_first[i][1]
                         if others:
-                            rest = torch.empty_like(part)
-                            lse = merge_into(o[rows], part, lse, rest, attend_into(
-                                group.query[rows], *arrived(group, i), others, args.softmax_scale, args.backend, rest))
+                            lse = attend_into(group.query[rows], *arrived(group, i), others, args.softmax_scale,
+                                              args.backend, o[rows], before=(part, lse))
                     lses.append(lse if sinks is None else apply_sink(bhsd(o[rows])[0], lse, sinks[r]))
                 if not args.overlap and r + 1 < d_size:
                     stream.start(r + 1)

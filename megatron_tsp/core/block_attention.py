@@ -849,24 +849,32 @@ def _by_query(blocks_: Sequence[_Call]) -> Dict[Tuple[int, int], List[_Call]]:
 
 
 def _forward_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks_flat: List[int], scale: float,
-                  backend: str, out: torch.Tensor) -> torch.Tensor:
+                  backend: str, out: torch.Tensor, before: Optional[torch.Tensor] = None,
+                  before_lse: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Attention of ``q`` ``[b, h, sq, d]`` against ``k``, ``v`` over the blocks, written into
     ``out`` (any strides); returns the log-sum-exp ``[b, h, sq]`` (fp32). Blocks of the same
     query rows are merged by their lse, out = sum_j exp(l_j - lse) o_j, summed in fp32 and
-    rounded once as it is written into ``out`` (a block of fewer rows adds to its rows)."""
+    rounded once as it is written into ``out`` (a block of fewer rows adds to its rows).
+    ``before``, ``before_lse``: these queries' attention over other keys (``[b, h, sq, d]``,
+    fp32, and its lse), merged in as one more block over every row (the blocks then cover
+    every row)."""
     calls = _unflat(blocks_flat)
     _, kernel = _kernel(backend, q, calls)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     for sample, indices in _by_sample(calls).items():
-        _merge_into(kernel, *(_of(t, sample) for t in (q, k, v, out, lse)), [calls[i] for i in indices], scale)
+        prior = None if before is None else (_of(before, sample), _of(before_lse, sample))
+        _merge_into(kernel, *(_of(t, sample) for t in (q, k, v, out, lse)), [calls[i] for i in indices], scale,
+                    prior)
     return lse
 
 
-def _merge_into(kernel, q, k, v, out, lse, calls: List[_Call], scale: float) -> None:
+def _merge_into(kernel, q, k, v, out, lse, calls: List[_Call], scale: float, before=None) -> None:
     for (q0, q1), row_blocks in _by_query(calls).items():
         results = [(c.q0 - q0, c.q1 - q0, *kernel.forward(q[:, :, c.q0:c.q1], k[:, :, c.k0:c.k1], v[:, :, c.k0:c.k1],
                                                           c.causal, scale, c.left))
                    for c in row_blocks]
+        if before is not None:  # the first term: fp32 already, the accumulator starts from it
+            results.insert(0, (0, q1 - q0, before[0][:, :, q0:q1], before[1][:, :, q0:q1]))
         if len(results) == 1:
             out[:, :, q0:q1].copy_(results[0][2])
             lse[:, :, q0:q1].copy_(results[0][3])
@@ -1102,24 +1110,17 @@ def block_attention(query, keys, values, chunk_ids: Sequence[int], scale: float,
     return out.permute(2, 0, 1, 3)
 
 
-def attend_into(query, keys, values, blocks_: Sequence[Block], scale: float, backend: str, out) -> torch.Tensor:
+def attend_into(query, keys, values, blocks_: Sequence[Block], scale: float, backend: str, out,
+                before: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
     """Megatron layout, for a hand-written schedule: attention over explicit ``blocks_`` (rows
     of query and keys) written into ``out`` ``[sq, b, hq, d]`` (a view of a bigger buffer
-    will do); returns the lse ``[b, hq, sq]`` to save for :func:`attend_backward_into`."""
+    will do); returns the lse ``[b, hq, sq]`` to save for :func:`attend_backward_into`.
+    ``before``: these queries' attention over other keys, ``(fp32 [sq, b, hq, d], lse)`` as
+    an earlier call into an fp32 ``out`` left it, merged in (summed in fp32, rounded once)."""
     q, k, v, o = bhsd(query, keys, values, out)
-    return _block_attention_into(q, k, v, _flat(blocks_), float(scale), backend, o)
-
-
-def merge_into(out: torch.Tensor, first: torch.Tensor, first_lse: torch.Tensor, second: torch.Tensor,
-               second_lse: torch.Tensor) -> torch.Tensor:
-    """Two attentions of the same queries over disjoint keys, ``first`` and ``second`` (fp32,
-    megatron layout ``[sq, b, h, d]``, as :func:`attend_into` wrote them) with their lse
-    ``[b, h, sq]``, merged into ``out``: first·exp(l1 - L) + second·exp(l2 - L), summed in
-    fp32 and rounded once; returns L = log(exp(l1) + exp(l2)). ``first`` is overwritten."""
-    lse = torch.logaddexp(first_lse, second_lse)
-    first.mul_(torch.exp(first_lse - lse).permute(2, 0, 1).unsqueeze(-1))
-    torch.addcmul(first, second, torch.exp(second_lse - lse).permute(2, 0, 1).unsqueeze(-1), out=out)
-    return lse
+    if before is None:
+        return _block_attention_into(q, k, v, _flat(blocks_), float(scale), backend, o)
+    return _block_attention_into(q, k, v, _flat(blocks_), float(scale), backend, o, bhsd(before[0])[0], before[1])
 
 
 def attend_backward_into(d_out, query, keys, values, out, lse, blocks_: Sequence[Block], scale: float,
