@@ -139,6 +139,24 @@ def test_the_chain_names_the_module_that_runs_next(recompute):
     assert chunked.next_after(last, backward=False) is (None if recompute else last)
 
 
+def test_an_mlp_recomputed_with_the_next_layer_is_followed_by_that_layers_attention(monkeypatch):
+    """Inside the backward pass (a recompute), an MLP recomputed on its own, or as the last of
+    its layer, runs its backward next, and so keeps its last shard for it
+    (``MLPScheduleArgs.backward_follows_at_once``); one recomputed together with the next
+    layer (full uniform recompute, two layers per checkpoint) is followed by that layer's
+    attention, and keeps nothing."""
+    from megatron_tsp.core.mlp import MLPScheduleArgs
+
+    monkeypatch.setattr(torch._C, "_current_graph_task_id", lambda: 7)
+    for layers, follows in ((1, True), (2, False)):
+        chain = LayerChain()
+        _, mlp0, attn1, _ = (_Module(chain, a, "full", layers=layers) for a in (True, False, True, False))
+        assert chain.next_after(mlp0, backward=False) is (mlp0 if follows else attn1)
+        args = MLPScheduleArgs(None, None, 1, has_bias=False, chain=chain, module=mlp0)
+        assert args.backward_follows_at_once(then_backward=True) is follows
+        assert not args.backward_follows_at_once(then_backward=False)
+
+
 def test_an_attention_stashes_its_backwards_first_transfers_for_its_layers_mlp():
     chain = LayerChain()
     attn0, mlp0, attn1, attn2 = (_Module(chain, a) for a in (True, False, True, True))  # layer 1: megatron's MoE

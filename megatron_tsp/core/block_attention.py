@@ -856,8 +856,8 @@ def _forward_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks_flat
     query rows are merged by their lse, out = sum_j exp(l_j - lse) o_j, summed in fp32 and
     rounded once as it is written into ``out`` (a block of fewer rows adds to its rows).
     ``before``, ``before_lse``: these queries' attention over other keys (``[b, h, sq, d]``,
-    fp32, and its lse), merged in as one more block over every row (the blocks then cover
-    every row)."""
+    fp32, and its lse), merged in as one more block of each row group the blocks form (the
+    caller's blocks cover every row: :func:`attend_into`)."""
     calls = _unflat(blocks_flat)
     _, kernel = _kernel(backend, q, calls)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
@@ -1116,8 +1116,11 @@ def attend_into(query, keys, values, blocks_: Sequence[Block], scale: float, bac
     of query and keys) written into ``out`` ``[sq, b, hq, d]`` (a view of a bigger buffer
     will do); returns the lse ``[b, hq, sq]`` to save for :func:`attend_backward_into`.
     ``before``: these queries' attention over other keys, ``(fp32 [sq, b, hq, d], lse)`` as
-    an earlier call into an fp32 ``out`` left it, merged in (summed in fp32, rounded once)."""
+    an earlier call into an fp32 ``out`` left it, merged in (summed in fp32, rounded once);
+    the blocks must then cover every query row."""
     q, k, v, o = bhsd(query, keys, values, out)
+    if before is not None and _gaps([(b[0], b[1]) for b in blocks_], query.size(0)):
+        raise ValueError("attend_into: with `before`, the blocks must cover every query row (it is merged into theirs)")
     if before is None:
         return _block_attention_into(q, k, v, _flat(blocks_), float(scale), backend, o)
     return _block_attention_into(q, k, v, _flat(blocks_), float(scale), backend, o, bhsd(before[0])[0], before[1])

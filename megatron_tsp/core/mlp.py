@@ -10,8 +10,8 @@ exactly, summed over the D shards j as they pass through rank p (shard j = (p - 
 step t, sent on to p+1 while the next arrives from p-1). Nothing leaves the rank but weights:
 no all-reduce, no all-gather. Backward runs the ring again, with a gradient accumulator
 travelling behind each shard to its owner (``streaming.WeightRing``); where it runs right
-after the forward (the last layer, or a recomputed one), the shard the forward ended with
-is kept for it, one hop of D-1 fewer. Saved for backward:
+after the forward (the last layer, or one recomputed on its own), the shard the forward
+ended with is kept for it, one hop of D-1 fewer. Saved for backward:
 ``x_p`` and the fc1 output of every shard for this rank's tokens (1/D of what one device
 saves); only the elementwise activation is recomputed. Where the layer is recomputed anyway
 (full or ``mlp`` recompute), what it saves lives for one layer's backward only: a GELU MLP

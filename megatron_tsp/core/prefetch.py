@@ -16,7 +16,9 @@ Which module runs next is known from the pass and the recompute setting (the sam
 rank, so every rank posts the same collectives in the same order):
 
 * forward: attention(l) -> MLP(l) -> attention(l+1); a recomputed MLP(l) (inside the
-  backward pass) -> its own backward; the last MLP of a model that is not pipelined (its
+  backward pass) -> its own backward, unless several layers are recomputed together (full,
+  uniform, ``recompute_num_layers`` > 1: the next layer's attention, recomputed next,
+  except after a chunk's last layer, whose transfer is then dropped); the last MLP of a model that is not pipelined (its
   backward follows its forward) -> its own backward, or, with each layer recomputed on its
   own (full, uniform, one layer), the last layer's attention, recomputed first. An MLP
   whose own backward follows keeps the shard it ended with for it (``WeightRing``'s
@@ -58,6 +60,7 @@ class LayerChain:
         self._stashed = None  # (module it was stashed for, the posting of a backward's first transfers)
         self.full_recompute = False
         self.layer_by_layer = False  # full recompute, one layer per checkpoint
+        self.chunked = False  # full uniform recompute, several layers per checkpoint
         self.backward_follows = False  # the last module's backward runs right after its forward
         self._at_forward_end: Optional[Callable[[], None]] = None
 
@@ -65,8 +68,9 @@ class LayerChain:
         self._modules.append(weakref.ref(module))
         config = module.config
         self.full_recompute = getattr(config, "recompute_granularity", None) == "full"
-        self.layer_by_layer = (getattr(config, "recompute_method", None) == "uniform"
-                               and getattr(config, "recompute_num_layers", None) == 1)
+        uniform = getattr(config, "recompute_method", None) == "uniform"
+        self.layer_by_layer = uniform and getattr(config, "recompute_num_layers", None) == 1
+        self.chunked = self.full_recompute and uniform and (getattr(config, "recompute_num_layers", None) or 1) > 1
         self.backward_follows = getattr(config, "pipeline_model_parallel_size", 1) == 1
 
     def _index(self, module) -> Optional[int]:
@@ -84,8 +88,8 @@ class LayerChain:
             return None
         attention = getattr(module, "is_tsp_attention", False)
         if not backward:
-            if not attention and torch._C._current_graph_task_id() != -1:  # MLP recomputed in backward
-                return module
+            if not attention and torch._C._current_graph_task_id() != -1 and not self.chunked:
+                return module  # an MLP recomputed in backward, alone or as the last of its layer
             j = i + 1
             if j == len(self._modules) and then_backward and self.backward_follows and not attention:
                 if not self.full_recompute:
