@@ -76,4 +76,4 @@ def test_the_crossover_rate_is_where_the_ratio_crosses_one():
     values = bench.cfg.load_config(BENCH_CONFIG)
     rate = bench.model_crossover_rate(values, profile, 1024, 2, 1.0, 1e6)
     assert rate is not None and abs(bench.model_ratio(values, profile, 1024, 2, rate) - 1) < 1e-3
-    assert bench.model_crossover_rate(values, profile, 1024, 2, 1.0, 10.0) is None
+    assert bench.model_crossover_rate(values, profile, 1024, 2, 2 * rate, 20 * rate) is None  # not in the range
