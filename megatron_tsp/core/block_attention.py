@@ -186,13 +186,19 @@ def zigzag_own_keys_last(size: int, rank: int, chunk: int) -> Tuple[List[Block],
     sums over keys, dK/dV are per key row); causal blocks are one slot each. Once the first
     ones have run, every row the reduce-scatter sends is final; the rest (1/D of the
     compute) runs while it travels."""
-    own = [(rank * chunk, (rank + 1) * chunk), ((size + rank) * chunk, (size + rank + 1) * chunk)]
     others, mine = [], []
     for q0, q1, k0, k1, causal in zigzag_backward_blocks(size, rank, chunk)[0]:
-        cuts = sorted({k0, k1, *(x for a, b in own for x in (a, b) if k0 < x < k1)})
-        for a, b in zip(cuts, cuts[1:]):
-            (mine if any(o0 <= a and b <= o1 for o0, o1 in own) else others).append((q0, q1, a, b, causal))
+        for a, b, slot in _cut_at_own_slots(k0, k1, size, rank, chunk):
+            (others if slot is None else mine).append((q0, q1, a, b, causal))
     return others + mine, len(others)
+
+
+def _cut_at_own_slots(k0: int, k1: int, size: int, rank: int, chunk: int) -> List[Tuple[int, int, Optional[int]]]:
+    """Key rows ``[k0, k1)`` of the zigzag layout cut at the edges of rank ``rank``'s own two
+    slots (``rank`` and D+rank): ``(a, b, first row of the own slot it lies in, or None)``."""
+    own = (rank * chunk, (size + rank) * chunk)
+    cuts = sorted({k0, k1, *(x for s in own for x in (s, s + chunk) if k0 < x < k1)})
+    return [(a, b, next((s for s in own if s <= a and b <= s + chunk), None)) for a, b in zip(cuts, cuts[1:])]
 
 
 def zigzag_own_keys_first(size: int, rank: int, chunk: int, chunk_blocks: Sequence[Sequence[Block]]
@@ -214,9 +220,7 @@ def zigzag_own_keys_first(size: int, rank: int, chunk: int, chunk_blocks: Sequen
             pieces = [(k0, k1 - square, False), (k1 - square, k1, True)] if causal and k1 - k0 > square else \
                 [(k0, k1, causal)]
             for a, b, c in pieces:
-                cuts = sorted({a, b, *(x for s in own for x in (s, s + chunk) if a < x < b)})
-                for x, y in zip(cuts, cuts[1:]):
-                    slot = next((s for s in own if s <= x and y <= s + chunk), None)
+                for x, y, slot in _cut_at_own_slots(a, b, size, rank, chunk):
                     if slot is None:
                         others.append((q0, q1, x, y, c))
                     else:
