@@ -92,7 +92,7 @@ class Step(NamedTuple):
 
 def setup(mode, model="modern", tsp=1, tp=1, cp=1, pp=1, recompute=None, overlap_grad_reduce=False,
           use_distributed_optimizer=True, block_spec=False, init=True, grad_reduce_in_fp32=False,
-          with_optimizer=True, ring_mlp=False, lookahead=1, ep=None, vocab="sequence", tied=True,
+          with_optimizer=True, ring_mlp=False, lookahead=1, per_call=0, ep=None, vocab="sequence", tied=True,
           **config_overrides):
     """Process groups (unless ``init`` is false), model (DDP-wrapped chunks), optimizer and
     batch transform for ``single`` (the world=1 reference: megatron's stock local spec) or a
@@ -124,7 +124,7 @@ def setup(mode, model="modern", tsp=1, tp=1, cp=1, pp=1, recompute=None, overlap
                                      sequence_parallel=(mode == "tsp" and tsp > 1) or mode.startswith("tp-sp")
                                      or (mode == "tp-cp" and tp > 1)), **experts, **config_overrides))
     args = SimpleNamespace(tsp_size=size if mode == "tsp" else 1, context_parallel_size=cp, qk_layernorm=False,
-                           tsp_lookahead=lookahead,
+                           tsp_lookahead=lookahead, tsp_head_groups_per_call=per_call,
                            ring_mlp=ring)
     if mode == "single":
         spec = get_gpt_layer_local_spec(normalization=config.normalization, num_experts=config.num_moe_experts)

@@ -109,11 +109,12 @@ def _documents(starts, seq):
 
 
 def _one_case(tsp_size, dtype, groups, rope, qkv_bias, proj_bias, qk_norm, kv_channels=None, softmax_type="vanilla",
-              window_size=None, seq=SEQ, documents=None):
+              window_size=None, seq=SEQ, documents=None, overlap=True, per_call="auto"):
     group = megatron_tsp.get_tsp_group()
     ref, tsp, solo = _build(tsp_size, dtype, groups, qkv_bias, proj_bias, qk_norm, kv_channels=kv_channels,
                             softmax_type=softmax_type, window_size=window_size,
-                            reference_window=not (documents and window_size))
+                            reference_window=not (documents and window_size), overlap=overlap)
+    tsp.head_groups_per_call = per_call
     g = torch.Generator().manual_seed(1)
     x_full = torch.randn(seq, BATCH, HIDDEN, generator=g).to(dtype)
     dy_full = torch.randn(seq, BATCH, HIDDEN, generator=g).to(dtype)
@@ -205,6 +206,46 @@ def _overlap_and_determinism(tsp_size):
 def test_overlap_off_and_reruns_are_bit_identical(ranks):
     for same in ranks(4, _overlap_and_determinism, 4):
         assert same == [True, True]
+
+
+def _per_call(tsp_size):
+    """PER_CALL_CASES with each divisor G > 1 of D head groups per stage, against world=1."""
+    init_tsp(tsp_size)
+    return [(dict(case, per_call=g), _one_case(tsp_size, torch.float32, per_call=g, **case))
+            for g in range(2, tsp_size + 1) if tsp_size % g == 0 for case in PER_CALL_CASES]
+
+
+PER_CALL_CASES = [
+    dict(groups=4, rope=True, qkv_bias=True, proj_bias=True, qk_norm=True),
+    dict(groups=8, rope=True, qkv_bias=False, proj_bias=False, qk_norm=False, overlap=False),
+    dict(groups=4, rope=True, qkv_bias=False, proj_bias=False, qk_norm=False, softmax_type="learnable"),
+    dict(groups=4, rope=True, qkv_bias=False, proj_bias=False, qk_norm=False, window_size=(13, 0), seq=48),
+    dict(groups=4, rope=True, qkv_bias=False, proj_bias=False, qk_norm=False, seq=48,
+         documents=[[0, 5, 6, 20, 33], [0, 24]]),
+]
+
+
+@pytest.mark.parametrize("tsp_size", [2, 4])
+def test_several_head_groups_per_call_match_stock_self_attention(ranks, tsp_size):
+    """Head groups side by side in one stage (one K/V gather, one kernel call per block; the
+    GPU default at short S): forward, input, weight, bias, norm and sink gradients against
+    world=1 megatron-core, with and without overlap, with a window and with documents."""
+    assert_within(ranks(tsp_size, _per_call, tsp_size), torch.float32)
+
+
+def test_head_groups_per_call_fill_the_gpu_at_short_sequences():
+    from megatron_tsp.core.attention import check_head_groups_per_call, head_groups_per_call
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    # the 7B at D=8: 4 query heads a head group, rows S/16, the planner's 132 SMs
+    picked = {s: head_groups_per_call("auto", 8, 1, 4, s // 16, cuda, planned=True) for s in (8192, 16384, 32768,
+                                                                                           65536, 131072)}
+    assert picked == {8192: 8, 16384: 8, 32768: 4, 65536: 2, 131072: 1}
+    assert head_groups_per_call("auto", 8, 1, 4, 1024, cpu) == 1
+    assert head_groups_per_call(2, 8, 1, 4, 8192, cuda, planned=True) == 2
+    for bad in (3, 0, "two", True):
+        with pytest.raises(ValueError, match=r"head_groups_per_call must be 'auto' or a divisor of the TSP size 8"):
+            check_head_groups_per_call(bad, 8, "head_groups_per_call")
 
 
 def _saved_and_counted(tsp_size, seq):
@@ -357,9 +398,10 @@ class KernelCalls:
             setattr(self.kernel, name, staticmethod(original))
 
 
-def _kernel_calls(tsp_size):
+def _kernel_calls(tsp_size, per_call):
     init_tsp(tsp_size)
     _, tsp, solo = _build(tsp_size, torch.float32, 4, False, False, False)
+    tsp.head_groups_per_call = per_call
     g = torch.Generator().manual_seed(1)
     x_full = torch.randn(SEQ, BATCH, HIDDEN, generator=g)
     x = local_rows(x_full, megatron_tsp.get_tsp_group()).clone().requires_grad_()
@@ -370,8 +412,8 @@ def _kernel_calls(tsp_size):
     return forward.calls, backward.calls
 
 
-@pytest.mark.parametrize("tsp_size", [1, 2])
-def test_tsp_backward_runs_no_attention_forward(ranks, tsp_size):
+@pytest.mark.parametrize("tsp_size,per_call", [(1, 1), (2, 1), (4, 1), (4, 2)])
+def test_tsp_backward_runs_no_attention_forward(ranks, tsp_size, per_call):
     # per head group, in the zigzag layout with a top-left kernel (aten's CPU flash): forward,
     # rank p's chunk 2D-1-p a causal and a full block, chunk p a causal block and, but on
     # rank 0, a full block before it, cut at the edges of the rank's own key chunks, which run
@@ -379,16 +421,17 @@ def test_tsp_backward_runs_no_attention_forward(ranks, tsp_size):
     # block, its full blocks before slot D (but on rank D-1) and from slot D+p (on rank 0 one
     # full block), both chunks' full block over slots D..D+p-1 (but on rank 0), and chunk p's
     # causal block; the last head group's cut at the edges of the rank's own key chunks, which
-    # run last (zigzag_own_keys_last). At D=1 the sequence is one causal block.
+    # run last (zigzag_own_keys_last). At D=1 the sequence is one causal block. With several
+    # head groups per call, each stage of them makes the calls of one.
     from megatron_tsp.core.block_attention import zigzag_blocks, zigzag_own_keys_first, zigzag_own_keys_last
 
-    d = tsp_size
-    for rank, (forward, backward) in enumerate(ranks(tsp_size, _kernel_calls, tsp_size)):
+    d, stages = tsp_size, tsp_size // per_call
+    for rank, (forward, backward) in enumerate(ranks(tsp_size, _kernel_calls, tsp_size, per_call)):
         by_chunk = [[b for b in zigzag_blocks(d, rank, 1) if b[0] == q0] for q0 in (0, 1)]
         assert sum(map(len, by_chunk)) == 3 + (rank != 0)
-        forward_blocks = 1 if d == 1 else d * sum(len(mine) + len(others)
-                                                  for mine, others in zigzag_own_keys_first(d, rank, 1, by_chunk))
-        backward_blocks = 1 if d == 1 else ((d - 1) * (3 if rank == 0 else 4 + (rank + 1 < d))
+        forward_blocks = 1 if d == 1 else stages * sum(len(mine) + len(others)
+                                                       for mine, others in zigzag_own_keys_first(d, rank, 1, by_chunk))
+        backward_blocks = 1 if d == 1 else ((stages - 1) * (3 if rank == 0 else 4 + (rank + 1 < d))
                                             + len(zigzag_own_keys_last(d, rank, 1)[0]))
         assert forward == {"forward": forward_blocks, "backward": 0}
         assert backward == {"forward": 0, "backward": backward_blocks}

@@ -65,6 +65,8 @@ def test_bad_files_name_the_key(tmp_path, text, message):
     (dict(tsp_size=2, num_experts=3, expert_model_parallel_size=2),
      "'num_experts' (--num-experts) must be divisible by expert_model_parallel_size 2"),
     (dict(num_experts=4, moe_router_topk=5), "'moe_router_topk' (--moe-router-topk) must be at most num_experts 4"),
+    (dict(tsp_size=4, tsp_head_groups_per_call=3),
+     "'tsp_head_groups_per_call' (--tsp-head-groups-per-call) must be 0 (auto) or a divisor of tsp_size 4"),
     (dict(expert_model_parallel_size=2), "'expert_model_parallel_size' (--expert-model-parallel-size) applies with "
                                          "num_experts"),
     (dict(tensor_model_parallel_size=2, sequence_parallel=True, num_experts=4, expert_model_parallel_size=4),

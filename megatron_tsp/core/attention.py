@@ -29,7 +29,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, replace
-from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -70,6 +70,45 @@ from megatron_tsp.core.support import check_attention_config
 Rope = Optional[Tuple[torch.Tensor, ...]]
 
 
+PLANNED_SMS = 132  # the H100's and H200's streaming multiprocessors: what the planner's GPU has
+TILE_ROWS = 128  # query rows per thread block of a flash kernel's forward (flash-attn 2, head dim 128)
+_SMS: Dict[int, int] = {}
+
+
+def check_head_groups_per_call(setting: Union[int, str], d_size: int, name: str) -> None:
+    """One-line ValueError unless ``setting`` is ``auto`` or a positive divisor of D."""
+    if setting == "auto":
+        return
+    if isinstance(setting, bool) or not isinstance(setting, int) or setting < 1 or d_size % setting:
+        raise ValueError(f"{name} must be 'auto' or a divisor of the TSP size {d_size} (got {setting!r})")
+
+
+def head_groups_per_call(setting: Union[int, str], d_size: int, batch: int, heads: int, rows: int,
+                         device: torch.device, planned: bool = False) -> int:
+    """How many head groups a stage of TSP attention puts side by side: one K/V gather and
+    one kernel call per block for all of them. An int is taken as it is. ``auto``: 1 on the
+    CPU, whose kernels split any call across their threads; on a GPU the fewest (a divisor
+    of D) whose calls fill it, ``batch x G x heads x ceil(rows / TILE_ROWS)`` thread blocks
+    at least its SM count (:data:`PLANNED_SMS` for the planner's fake tensors). One head
+    group per call keeps the most overlap, but at short S its calls leave most SMs idle: the
+    7B at D=8 (4 heads a group) has 32 thread blocks a call at 16K, so all 8 groups go in one
+    stage on 132 SMs; 4 at 32K, 2 at 64K, 1 from 128K. ``heads``: query heads per head
+    group; ``rows``: query rows per call (a zigzag chunk, S/2D)."""
+    if setting != "auto":
+        return setting
+    if device.type != "cuda":
+        return 1
+    if planned:
+        sms = PLANNED_SMS
+    else:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index not in _SMS:
+            _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+        sms = _SMS[index]
+    tiles = batch * heads * -(-rows // TILE_ROWS)
+    return next(g for g in range(1, d_size + 1) if d_size % g == 0 and (g * tiles >= sms or g == d_size))
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = torch.chunk(x, 2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -86,6 +125,8 @@ class TSPSelfAttention(SelfAttention):
     one): the next layer's first shard travels during this layer's last head group.
     ``lookahead``: head-group shards in flight ahead of the one in use (1 or more: each one
     more shard of memory).
+    ``head_groups_per_call``: head groups attended side by side, in one kernel call per
+    block and one K/V gather (:func:`head_groups_per_call`; ``auto`` or a divisor of D).
     """
 
     is_tsp_attention = True
@@ -103,6 +144,7 @@ class TSPSelfAttention(SelfAttention):
         zigzag_indices: Optional[zigzag.IndexCache] = None,
         chain: Optional[LayerChain] = None,
         lookahead: int = 1,
+        head_groups_per_call: Union[int, str] = "auto",
         **layer_kwargs,
     ):
         group, weight_group = resolve_tsp_groups(pg_collection)
@@ -114,6 +156,8 @@ class TSPSelfAttention(SelfAttention):
             raise ValueError("TSPSelfAttention: pg_collection.tp must be the TSP group")
         if lookahead < 1:
             raise ValueError(f"TSPSelfAttention: lookahead must be 1 or more (got {lookahead})")
+        check_head_groups_per_call(head_groups_per_call, group.size(), "TSPSelfAttention: head_groups_per_call")
+        self.head_groups_per_call = head_groups_per_call
         self.tsp_group = group
         self.weight_group = weight_group
         self.overlap_comm = overlap_comm
@@ -258,7 +302,10 @@ class TSPSelfAttention(SelfAttention):
             overlap=self.overlap_comm, lookahead=self.lookahead,
             chain=self.chain, module=self, softmax_type=self.config.softmax_type, own_keys_last=own_keys_last,
             own_keys_first=own_keys_first,
-            backward_follows=torch.is_grad_enabled() or self.config.recompute_granularity == "full")
+            backward_follows=torch.is_grad_enabled() or self.config.recompute_granularity == "full",
+            groups_per_call=head_groups_per_call(self.head_groups_per_call, d_size, hidden_states.size(1),
+                                                 self.num_attention_heads_per_partition, chunk,
+                                                 hidden_states.device, planned=is_fake(hidden_states)))
         sink = []
         if self.config.softmax_type == "learnable":  # read, not called: its pre-hooks stand in (streaming.py)
             run_forward_pre_hooks(self.core_attention)
@@ -300,12 +347,34 @@ class AttentionScheduleArgs:
     own_keys_last: Optional[Tuple[list, int]] = None  # :func:`zigzag_own_keys_last`, for the last head group
     own_keys_first: Optional[list] = None  # :func:`zigzag_own_keys_first`, per query chunk of the forward
     backward_follows: bool = True  # grad mode at the call, or a recomputed layer's first pass
+    groups_per_call: int = 1  # head groups side by side in one stage (:func:`head_groups_per_call`)
 
-    def columns(self, r: int) -> slice:
-        """Head group r's columns of the concatenated attention output O (and rows of
-        Wproj^T): its a*d/D input features of the output projection."""
+    def columns(self, r: int, count: int = 1) -> slice:
+        """Head groups r..r+count-1's columns of the concatenated attention output O (and
+        rows of Wproj^T): their a*d/D input features of the output projection each."""
         width = self.width // self.kv_group.size()
-        return slice(r * width, (r + 1) * width)
+        return slice(r * width, (r + count) * width)
+
+    @property
+    def stages(self) -> int:
+        return self.kv_group.size() // self.groups_per_call
+
+    def stage_groups(self, s: int) -> range:
+        """The head groups of stage s, attended in one call per block."""
+        return range(s * self.groups_per_call, (s + 1) * self.groups_per_call)
+
+    def stage_columns(self, s: int) -> slice:
+        return self.columns(s * self.groups_per_call, self.groups_per_call)
+
+    def group_heads(self, j: int) -> Tuple[slice, slice]:
+        """The j-th head group of a stage: its query heads and its K/V heads there."""
+        queries = self.width // self.head_dim // self.kv_group.size()
+        return slice(j * queries, (j + 1) * queries), slice(j * self.kv_heads, (j + 1) * self.kv_heads)
+
+
+def side_by_side(tensors: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
+    """The tensors concatenated along ``dim``; a lone one as it is (no copy)."""
+    return tensors[0] if len(tensors) == 1 else torch.cat(list(tensors), dim=dim)
 
 
 class HeadGroup(NamedTuple):
@@ -351,20 +420,30 @@ class StreamAttentionHeads(torch.autograd.Function):
         projections, lses = [None] * d_size, []
         with comm.InFlight() as inflight:
             stream = WeightBroadcast(own, args.weight_group, inflight, first=args.chain.take(args.module))
+            ahead = args.lookahead if args.overlap else 0
 
-            def project(r: int) -> HeadGroup:
-                shard = stream.wait(r)
-                mixed = F.linear(x, *shard[:-1])
-                projections[r] = mixed
-                local = send_buffer(mixed.shape[:2] + (args.kv_heads, args.head_dim), mixed)
-                query, _, _ = args.split_heads(mixed, args.rope, local)
-                if d_size > 1:
-                    proj[:, args.columns(r)].copy_(shard[-1])
-                stream.release(r)
-                return HeadGroup(query, GatherKV(local, args.kv_group, inflight) if d_size > 1 else local, local)
+            def use(r: int) -> List[torch.Tensor]:
+                """Shard r, with the next ``ahead`` in flight behind it."""
+                stream.start(r + ahead)
+                return stream.wait(r)
 
-            def attend_own(r: int, group: Optional[HeadGroup]) -> Optional[HeadGroup]:
-                """Group r's blocks against this rank's own keys, which need nothing to arrive."""
+            def project(s: int) -> HeadGroup:
+                local = send_buffer(x.shape[:2] + (args.groups_per_call * args.kv_heads, args.head_dim), x)
+                queries = []
+                for j, r in enumerate(args.stage_groups(s)):
+                    shard = use(r)
+                    mixed = F.linear(x, *shard[:-1])
+                    projections[r] = mixed
+                    query, _, _ = args.split_heads(mixed, args.rope, local[:, :, :, args.group_heads(j)[1]])
+                    queries.append(query)
+                    if d_size > 1:
+                        proj[:, args.columns(r)].copy_(shard[-1])
+                    stream.release(r)
+                return HeadGroup(side_by_side(queries, 2), GatherKV(local, args.kv_group, inflight)
+                                 if d_size > 1 else local, local)
+
+            def attend_own(s: int, group: Optional[HeadGroup]) -> Optional[HeadGroup]:
+                """Stage s's blocks against this rank's own keys, which need nothing to arrive."""
                 if group is None or args.own_keys_first is None:
                     return group
                 if not args.overlap:  # the transfer, then the compute
@@ -372,38 +451,39 @@ class StreamAttentionHeads(torch.autograd.Function):
                 keys, values = group.local[:, 0], group.local[:, 1]
                 parts = []
                 for (rows, _), (mine, others) in zip(args.chunks, args.own_keys_first):
-                    o = columns(r)[rows]  # final where the chunk sees no other keys
+                    o = columns(s)[rows]  # final where the chunk sees no other keys
                     part = o.new_empty(o.shape, dtype=torch.float32) if others else o
                     parts.append((part, attend_into(group.query[rows], keys, values, mine, args.softmax_scale,
                                                     args.backend, part)))
                 return group._replace(own=parts)
 
-            def columns(r: int) -> torch.Tensor:
-                return out[..., args.columns(r)].view(out.shape[:2] + (-1, args.head_dim))
+            def columns(s: int) -> torch.Tensor:
+                return out[..., args.stage_columns(s)].view(out.shape[:2] + (-1, args.head_dim))
 
             def arrived(group: HeadGroup, i: int) -> Tuple[torch.Tensor, torch.Tensor]:
-                """The group's gathered K and V, once what query chunk i attends to has arrived."""
+                """The stage's gathered K and V, once what query chunk i attends to has arrived."""
                 if d_size == 1:
                     return group.kv[:, 0], group.kv[:, 1]
                 return group.kv.wait_first() if i == 0 else group.kv.wait()
 
-            ahead = args.lookahead if args.overlap else 0
             for r in range(1 + ahead):
                 stream.start(r)
             group = project(0)
-            for r in range(d_size):
+            stages = args.stages
+            for s in range(stages):
                 upcoming = None
                 if args.overlap:
-                    stream.start(r + 1 + ahead)
-                    if r == d_size - 1:  # the next layer's first shard travels during this last group
+                    if s == stages - 1:  # the next layer's first shard travels during this last stage
                         args.chain.post_next(args.module, backward=False,
                                              then_backward=args.backward_follows and any(ctx.needs_input_grad))
-                    upcoming = project(r + 1) if r + 1 < d_size else None
-                if r == 0:  # once the next group's gather is posted too
+                    upcoming = project(s + 1) if s + 1 < stages else None
+                if s == 0:  # once the next stage's gather is posted too
                     group = attend_own(0, group)
-                if args.overlap:  # while this group's K/V still travel
-                    upcoming = attend_own(r + 1, upcoming)
-                o = columns(r)
+                if args.overlap:  # while this stage's K/V still travel
+                    upcoming = attend_own(s + 1, upcoming)
+                o = columns(s)
+                groups = args.stage_groups(s)
+                sink = None if sinks is None else sinks[groups.start:groups.stop].reshape(-1)
                 for i, (rows, blocks) in enumerate(args.chunks):  # the first chunk's keys arrive first
                     if group.own is None:
                         lse = attend_into(group.query[rows], *arrived(group, i), blocks, args.softmax_scale,
@@ -413,10 +493,9 @@ class StreamAttentionHeads(torch.autograd.Function):
                         if others:
                             lse = attend_into(group.query[rows], *arrived(group, i), others, args.softmax_scale,
                                               args.backend, o[rows], before=(part, lse))
-                    lses.append(lse if sinks is None else apply_sink(bhsd(o[rows])[0], lse, sinks[r]))
-                if not args.overlap and r + 1 < d_size:
-                    stream.start(r + 1)
-                    upcoming = attend_own(r + 1, project(r + 1))
+                    lses.append(lse if sink is None else apply_sink(bhsd(o[rows])[0], lse, sink))
+                if not args.overlap and s + 1 < stages:
+                    upcoming = attend_own(s + 1, project(s + 1))
                 group = upcoming
         y = F.linear(out, proj)  # one GEMM over the head groups: fp32 inside, rounded once
         ctx.args = replace(args, rope=None)  # the tables travel as saved tensors
@@ -432,7 +511,6 @@ class StreamAttentionHeads(torch.autograd.Function):
         saved = Saved.load(ctx)
         args: AttentionScheduleArgs = replace(ctx.args, rope=tuple(saved.rope) or None)
         grads = HeadGroupGradients(args, dy, saved, ctx.prefetched)
-        d_size = args.kv_group.size()
         with comm.InFlight() as inflight:
             for inputs in ctx.prefetched:  # posted by the MLP before: waited for here if this fails
                 inputs.kv.adopt(inflight)
@@ -443,22 +521,28 @@ class StreamAttentionHeads(torch.autograd.Function):
                 stream.start(r)
             inputs = grads.inputs(0, inflight)
             scattering: Optional[HeadGroupAttentionGrads] = None  # dK/dV being reduce-scattered
-            for r in range(d_size):
+            stages = args.stages
+            for s in range(stages):
                 upcoming = None
                 if args.overlap:
-                    stream.start(r + 1 + ahead)
-                    if r == d_size - 1:
+                    for r in args.stage_groups(s):
+                        stream.start(r + 1 + ahead)
+                    if s == stages - 1:
                         args.chain.post_next(args.module, backward=True)
-                    upcoming = grads.inputs(r + 1, inflight) if r + 1 < d_size else None
-                shard = stream.wait(r)
-                finished = grads.attention(r, shard, inputs, stream, inflight)
+                    upcoming = grads.inputs(s + 1, inflight) if s + 1 < stages else None
+                shards = []
+                for r in args.stage_groups(s):
+                    stream.start(r)  # posted already, but for the first stage's beyond the lookahead
+                    shards.append(stream.wait(r))
+                finished = grads.attention(s, shards, inputs, stream, inflight)
                 if args.overlap:
                     finished, scattering = scattering, finished
                 if finished is not None:
                     grads.weights(finished, stream)
-                if not args.overlap and r + 1 < d_size:
-                    stream.start(r + 1)
-                    upcoming = grads.inputs(r + 1, inflight)
+                if not args.overlap and s + 1 < stages:
+                    for r in args.stage_groups(s + 1):
+                        stream.start(r)
+                    upcoming = grads.inputs(s + 1, inflight)
                 inputs = upcoming
             if scattering is not None:
                 grads.weights(scattering, stream)
@@ -517,35 +601,43 @@ class Saved(NamedTuple):
 
 
 class HeadGroupInputs(NamedTuple):
-    """Backward, one head group: q, k, v recomputed from the saved projection ``mixed`` (the
-    local graph of norms and RoPE, kept for autograd), and its K/V being gathered."""
+    """Backward, one stage: per head group of it, q, k, v recomputed from the saved
+    projection ``mixed`` (the local graph of norms and RoPE, kept for autograd); the
+    stage's queries side by side, and its K/V being gathered."""
 
-    mixed: torch.Tensor
-    query: torch.Tensor
-    key: torch.Tensor
-    value: torch.Tensor
+    mixed: List[torch.Tensor]
+    query: List[torch.Tensor]
+    key: List[torch.Tensor]
+    value: List[torch.Tensor]
+    queries: torch.Tensor
     kv: object
 
 
-def regather_inputs(args: AttentionScheduleArgs, saved: Saved, r: int, inflight: comm.InFlight) -> HeadGroupInputs:
-    """Head group r's backward inputs: q, k, v from its saved projection, K/V gather started."""
-    mixed = saved.projections[r].detach().requires_grad_()
-    with torch.enable_grad():
-        q, k, v = args.split_heads(mixed, args.rope)
-    local = send_buffer(k.shape, k)
-    local[:, 0].copy_(k.detach())
-    local[:, 1].copy_(v.detach())
+def regather_inputs(args: AttentionScheduleArgs, saved: Saved, s: int, inflight: comm.InFlight) -> HeadGroupInputs:
+    """Stage s's backward inputs: q, k, v from its saved projections, K/V gather started."""
+    mixed, query, key, value = [], [], [], []
+    local = None
+    for j, r in enumerate(args.stage_groups(s)):
+        m = saved.projections[r].detach().requires_grad_()
+        with torch.enable_grad():
+            q, k, v = args.split_heads(m, args.rope)
+        if local is None:
+            local = send_buffer(k.shape[:2] + (args.groups_per_call * k.size(2), k.size(3)), k)
+        heads = args.group_heads(j)[1]
+        local[:, 0, :, heads].copy_(k.detach())
+        local[:, 1, :, heads].copy_(v.detach())
+        for parts, t in zip((mixed, query, key, value), (m, q, k, v)):
+            parts.append(t)
     kv = GatherKV(local, args.kv_group, inflight) if args.kv_group.size() > 1 else local
-    return HeadGroupInputs(mixed, q, k, v, kv)
+    return HeadGroupInputs(mixed, query, key, value, side_by_side([q.detach() for q in query], 2), kv)
 
 
 def post_backward_regathers(ctx, inflight: comm.InFlight) -> List[dist.Work]:
-    """Start the backward's first K/V re-gather now, head group 0's, from its saved
-    projection (called by the MLP after this attention, as its own backward starts:
-    :mod:`prefetch`). The gathered K/V are then held through the MLP's backward, one head
-    group's. Its transfers are registered with the caller's ``inflight`` (waited for if the
-    caller fails), which hands them over on success (the returned works); the attention
-    backward adopts them."""
+    """Start the backward's first K/V re-gather now, stage 0's, from its saved projections
+    (called by the MLP after this attention, as its own backward starts: :mod:`prefetch`).
+    The gathered K/V are then held through the MLP's backward, one stage's. Its transfers
+    are registered with the caller's ``inflight`` (waited for if the caller fails), which
+    hands them over on success (the returned works); the attention backward adopts them."""
     saved = Saved.load(ctx)
     args = replace(ctx.args, rope=tuple(saved.rope) or None)
     ctx.prefetched = [regather_inputs(args, saved, 0, inflight)]
@@ -553,27 +645,28 @@ def post_backward_regathers(ctx, inflight: comm.InFlight) -> List[dist.Work]:
 
 
 class HeadGroupAttentionGrads(NamedTuple):
-    """Backward, one head group after its attention backward: its weight shard, dq, its
-    dK/dV being reduce-scattered to the token owners, and the fp32 buffer its weight
-    gradients go into (the output projection's is written already). The last head group's
-    blocks against this rank's own keys may be still to run (``own_keys``: runs them into
-    the buffer it is given; :meth:`HeadGroupGradients.weights`)."""
+    """Backward, one stage after its attention backward: its head groups' weight shards,
+    dq, its dK/dV being reduce-scattered to the token owners, and per head group the fp32
+    buffer its weight gradients go into (the output projection's is written already). The
+    last stage's blocks against this rank's own keys may be still to run (``own_keys``:
+    runs them into the buffer it is given; :meth:`HeadGroupGradients.weights`)."""
 
-    r: int
-    shard: List[torch.Tensor]
+    s: int
+    shards: List[List[torch.Tensor]]
     inputs: HeadGroupInputs
     dq: torch.Tensor
     dkv: object
-    flat: torch.Tensor
+    flats: List[torch.Tensor]
     own_keys: Optional[Callable[[torch.Tensor], None]] = None
 
 
 class HeadGroupGradients:
-    """The backward of one head group r, in three stages the schedule interleaves across
-    groups: :meth:`inputs` (q, k, v from the saved projection, K/V gather started),
-    :meth:`attention` (dWproj, attention backward up to dq, dK/dV reduce-scatter started),
-    :meth:`weights` (dx, dWqkv, reduce to the owner, once dK/dV are back). ``dx`` is summed
-    over head groups inside its GEMMs, in fp32; the norm gradients in fp32."""
+    """The backward of one stage s (its head groups side by side), in three steps the
+    schedule interleaves across stages: :meth:`inputs` (q, k, v from the saved projections,
+    K/V gather started), :meth:`attention` (dWproj, attention backward up to dq, dK/dV
+    reduce-scatter started), :meth:`weights` (per head group dx, dWqkv, reduce to the owner,
+    once dK/dV are back). ``dx`` is summed over head groups inside its GEMMs, in fp32 and in
+    head-group order; the norm gradients in fp32."""
 
     def __init__(self, args: AttentionScheduleArgs, dy, saved: Saved, prefetched: Sequence[HeadGroupInputs] = ()):
         self.args, self.dy, self.saved, self.prefetched = args, dy, saved, list(prefetched)
@@ -592,31 +685,35 @@ class HeadGroupGradients:
             return taken
         return regather_inputs(self.args, self.saved, r, inflight)
 
-    def attention(self, r: int, shard, inputs: HeadGroupInputs, stream: WeightBroadcast,
+    def attention(self, s: int, shards, inputs: HeadGroupInputs, stream: WeightBroadcast,
                   inflight: comm.InFlight) -> HeadGroupAttentionGrads:
         args = self.args
-        flat = stream.grad_buffer()
-        cols = args.columns(r)
-        gemm_t(self.dy2d, self.out2d[:, cols], out=unpack(flat, self.saved.own)[-1])  # dWproj_r
-        d_out = (self.dy @ shard[-1]).view(self.dy.shape[:2] + (-1, args.head_dim))
-        out = self.saved.out[..., cols].view(d_out.shape)
+        groups = args.stage_groups(s)
+        flats = []
+        for r in groups:
+            flats.append(stream.grad_buffer())
+            gemm_t(self.dy2d, self.out2d[:, args.columns(r)], out=unpack(flats[-1], self.saved.own)[-1])  # dWproj_r
+        d_out = side_by_side([self.dy @ shard[-1] for shard in shards], 2).view(self.dy.shape[:2] + (-1, args.head_dim))
+        out = self.saved.out[..., args.stage_columns(s)].view(d_out.shape)
         spread = args.kv_group.size() > 1
         keys, values = inputs.kv.wait() if spread else (inputs.kv[:, 0], inputs.kv[:, 1])
-        dkv, fresh = self._dkv_buffer(r, keys)
-        query = inputs.query.detach()
+        dkv, fresh = self._dkv_buffer(s, keys)
+        query = inputs.queries
         dq = torch.empty_like(query)
         scatter = ScatterKVGrads(dkv, args.kv_group, inflight) if spread else dkv
         n = len(args.chunks)
-        lse = torch.cat(self.saved.lses[r * n:(r + 1) * n], dim=-1)
+        lse = torch.cat(self.saved.lses[s * n:(s + 1) * n], dim=-1)
         if self.d_sinks is not None:
-            self.d_sinks[r] += sink_grad(*bhsd(d_out, out), lse, self.saved.sinks[0][r])
+            sinks = self.saved.sinks[0][groups.start:groups.stop]
+            self.d_sinks[groups.start:groups.stop] += sink_grad(*bhsd(d_out, out), lse,
+                                                                sinks.reshape(-1)).view(sinks.shape)
 
         def run(blocks, first, last, dkv, zero_untouched):
             attend_backward_into(d_out, query, keys, values, out, lse, blocks, args.softmax_scale, args.backend,
                                  dq, dkv[:, 0], dkv[:, 1], first, last, zero_untouched=zero_untouched)
 
-        if r == args.kv_group.size() - 1 and args.own_keys_last is not None:
-            # the last head group: nothing computes beside its dK/dV unless its own blocks do.
+        if s == args.stages - 1 and args.own_keys_last is not None:
+            # the last stage: nothing computes beside its dK/dV unless its own blocks do.
             # The blocks against the other ranks' keys first; this rank's own rows of the
             # buffer are zeros for the reduce-scatter, and its own blocks run into another
             # buffer while it travels (:meth:`weights` adds them to what arrives).
@@ -626,7 +723,7 @@ class HeadGroupGradients:
                 dkv[rows].zero_()
             scatter.post_second_halves()
             scatter.post_first_halves()
-            return HeadGroupAttentionGrads(r, shard, inputs, dq, scatter, flat,
+            return HeadGroupAttentionGrads(s, shards, inputs, dq, scatter, flats,
                                            lambda target: run(blocks, split, len(blocks), target, False))
         blocks, split = args.backward_blocks
         # once the first blocks have run, every rank's second chunk of dK/dV is final and
@@ -638,7 +735,7 @@ class HeadGroupGradients:
                 scatter.post_second_halves()
         if spread:
             scatter.post_first_halves()
-        return HeadGroupAttentionGrads(r, shard, inputs, dq, scatter, flat)
+        return HeadGroupAttentionGrads(s, shards, inputs, dq, scatter, flats)
 
     def _own_rows(self, rows: int) -> Tuple[slice, slice]:
         """This rank's two chunks in the zigzag layout of ``rows`` key rows: its second
@@ -656,12 +753,12 @@ class HeadGroupGradients:
         dist.reduce_scatter_tensor(own, self.d_sinks.view(-1), group=group)
         return own
 
-    def _dkv_buffer(self, r: int, keys: torch.Tensor) -> Tuple[torch.Tensor, bool]:
-        """Head group r's fp32 dK/dV buffer and whether it is fresh. Two buffers alternate
-        (group r's is free again once its reduce-scatter has finished, before group r+2's
-        attention backward): the key rows no block of this rank touches are zeroed once per
-        buffer, not once per head group."""
-        slot = r % 2
+    def _dkv_buffer(self, s: int, keys: torch.Tensor) -> Tuple[torch.Tensor, bool]:
+        """Stage s's fp32 dK/dV buffer and whether it is fresh. Two buffers alternate (stage
+        s's is free again once its reduce-scatter has finished, before stage s+2's attention
+        backward): the key rows no block of this rank touches are zeroed once per buffer, not
+        once per stage."""
+        slot = s % 2
         if self._dkv[slot] is None:
             self._dkv[slot] = grad_buffer(keys.size(0), keys)
             return self._dkv[slot], True
@@ -669,8 +766,10 @@ class HeadGroupGradients:
 
     def weights(self, g: HeadGroupAttentionGrads, stream: WeightBroadcast) -> None:
         own = None
-        if g.own_keys is not None:  # the group before it has its dK/dV back: its buffer is free
-            own = self._dkv[(g.r - 1) % 2]
+        if g.own_keys is not None:  # the stage before it has its dK/dV back: its buffer is free
+            own = self._dkv[(g.s - 1) % 2]
+            if own is None:  # one stage: there was none before it
+                own = torch.empty_like(self._dkv[g.s % 2])
             g.own_keys(own)
         dk, dv = g.dkv.wait() if self.args.kv_group.size() > 1 else (g.dkv[:, 0], g.dkv[:, 1])
         if own is not None:
@@ -678,17 +777,19 @@ class HeadGroupGradients:
             c = second.stop - second.start
             g.dkv.local[:c] += own[first]
             g.dkv.local[c:] += own[second]
-        key, value = g.inputs.key, g.inputs.value
-        d_mixed, *d_norms = torch.autograd.grad(
-            (g.inputs.query, key, value), (g.inputs.mixed, *self.saved.replicated),
-            (g.dq, dk.to(key.dtype), dv.to(value.dtype)))
-        for acc, d in zip(self.d_replicated, d_norms):
-            acc += d
-        d_mixed2d = d_mixed.reshape(-1, d_mixed.size(-1))
-        self.dx = gemm(d_mixed2d, g.shard[0], out=self.dx, accumulate=self.dx is not None)
-        views = unpack(g.flat, self.saved.own)
-        gemm_t(d_mixed2d, self.x2d, out=views[0])
-        if self.args.has_bias:
-            torch.sum(d_mixed2d, dim=0, dtype=torch.float32, out=views[1])
-        stream.release(g.r)
-        stream.reduce(g.r, g.flat)
+        for j, r in enumerate(self.args.stage_groups(g.s)):
+            queries, kv_heads = self.args.group_heads(j)
+            key, value = g.inputs.key[j], g.inputs.value[j]
+            d_mixed, *d_norms = torch.autograd.grad(
+                (g.inputs.query[j], key, value), (g.inputs.mixed[j], *self.saved.replicated),
+                (g.dq[:, :, queries], dk[:, :, kv_heads].to(key.dtype), dv[:, :, kv_heads].to(value.dtype)))
+            for acc, d in zip(self.d_replicated, d_norms):
+                acc += d
+            d_mixed2d = d_mixed.reshape(-1, d_mixed.size(-1))
+            self.dx = gemm(d_mixed2d, g.shards[j][0], out=self.dx, accumulate=self.dx is not None)
+            views = unpack(g.flats[j], self.saved.own)
+            gemm_t(d_mixed2d, self.x2d, out=views[0])
+            if self.args.has_bias:
+                torch.sum(d_mixed2d, dim=0, dtype=torch.float32, out=views[1])
+            stream.release(r)
+            stream.reduce(r, g.flats[j])

@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
-from typing import List, Optional
+from typing import List, Optional, Union
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -61,6 +61,7 @@ def get_gpt_layer_tsp_spec(
     attention_backend: str = "auto",
     fused_norm: bool = True,
     lookahead: int = 1,
+    head_groups_per_call: Union[int, str] = "auto",
 ) -> ModuleSpec:
     """A ``TransformerLayer`` spec with TSP attention and MLP.
 
@@ -68,7 +69,8 @@ def get_gpt_layer_tsp_spec(
     ``core_attention`` stays in the spec (unused by TSP) because Megatron-LM's builder may
     write to ``spec.submodules.self_attention.submodules.core_attention``. The layers built
     from one spec share its zigzag index cache and layer chain (:mod:`prefetch`); ``lookahead``:
-    head-group shards in flight ahead of the one in use (each one more shard of memory).
+    head-group shards in flight ahead of the one in use (each one more shard of memory);
+    ``head_groups_per_call``: see :func:`megatron_tsp.core.attention.head_groups_per_call`.
     """
     chain = LayerChain()  # one per model, not per layer
     logging.getLogger("megatron.core.transformer.transformer_layer").addFilter(_EXPECTED_MLP_WARNING)
@@ -87,6 +89,7 @@ def get_gpt_layer_tsp_spec(
                     "zigzag_indices": IndexCache(),  # one per model, not per layer
                     "chain": chain,
                     "lookahead": lookahead,
+                    "head_groups_per_call": head_groups_per_call,
                 },
                 submodules=SelfAttentionSubmodules(
                     linear_qkv=ColumnParallelLinear,

@@ -84,6 +84,9 @@ ARGUMENTS: Dict[str, Arg] = {
     "ring_mlp": _b("TSP's ring MLP in a tensor-parallel model: weight shards rotate, no activation collectives"),
     "tsp_lookahead": Arg(int, 1, "TSP attention: head-group weight shards in flight ahead of the one in use (each "
                                  "one more shard of memory)"),
+    "tsp_head_groups_per_call": Arg(int, 0, "TSP attention: head groups attended side by side, with one K/V gather "
+                                            "and one kernel call per block (a divisor of tsp_size; 0: on a GPU the "
+                                            "fewest that fill it at this sequence length, 1 on the CPU)"),
     "tsp_vocab": Arg(str, "auto", "TSP's embedding and output layer: table (all-gather the vocabulary table, each "
                                   "rank scores its own tokens), sequence (megatron's sequence-parallel collectives "
                                   "of the activations), auto (the one that moves fewer bytes)"),
@@ -386,6 +389,9 @@ def check_combinations(ns: argparse.Namespace) -> None:
          f"must be divisible by {layout.sequence_divisor} (2 x context_parallel_size for the zigzag layout, "
          "and tensor_model_parallel_size with sequence parallelism or the ring MLP)"),
         (ns.tsp_lookahead >= 1, "tsp_lookahead", "must be 1 or more"),
+        (ns.tsp_head_groups_per_call == 0 or (ns.tsp_head_groups_per_call > 0
+                                              and layout.tsp % ns.tsp_head_groups_per_call == 0),
+         "tsp_head_groups_per_call", f"must be 0 (auto) or a divisor of tsp_size {layout.tsp}"),
         (not ns.ring_mlp or (layout.tsp == 1 and tp > 1), "ring_mlp",
          "applies to a tensor-parallel model (tensor_model_parallel_size > 1, tsp_size 1; TSP's MLP is a ring "
          "already)"),
