@@ -560,7 +560,8 @@ def _gpu_check_parser(sub, common) -> None:
                    help="the attention kernel of every mode's step: auto (on a GPU cuDNN from 16K keys, else "
                         "flash), flash, cudnn, efficient, flash_attn")
     p.add_argument("--out", default="bench/results/gpu-check.json", help="results file (JSON)")
-    _config_flags(p, ["num_layers", "seq_length", "max_position_embeddings", "micro_batch_size"])
+    _config_flags(p, ["num_layers", "seq_length", "max_position_embeddings", "micro_batch_size",
+                      "tsp_head_groups_per_call"])
     p.set_defaults(func=_cmd_gpu_check)
 
 

@@ -461,6 +461,25 @@ def test_gpu_backend_self_check_accepts_a_right_kernel_and_stops_a_wrong_one(mon
         kernels.check_backend("flash", cpu, torch.float32)
 
 
+def test_the_self_check_stops_a_varlen_form_with_another_lse_layout(flash_attn_on_cpu, monkeypatch):
+    """A varlen kernel whose lse is [total, h] (not flash-attn's [h, total]) fails the check."""
+    from megatron_tsp.core import block_attention as kernels
+
+    class OtherLayout(kernels._FlashAttn):
+        @classmethod
+        def forward_varlen(cls, q, k, v, cu, longest, scale):
+            out, lse = kernels._FlashAttn.forward_varlen(q, k, v, cu, longest, scale)
+            return out, lse.t().contiguous().view(lse.shape)
+
+    monkeypatch.setattr(kernels, "_CHECKED", {})
+    cpu = torch.device("cpu")
+    kernels.check_backend("flash_attn", cpu, torch.float32)  # the right one passes
+    monkeypatch.setattr(kernels, "_CHECKED", {})
+    monkeypatch.setitem(kernels._KERNELS, "flash_attn", OtherLayout)
+    with pytest.raises(RuntimeError, match="attention backend 'flash_attn' gives a wrong lse in its varlen form"):
+        kernels.check_backend("flash_attn", cpu, torch.float32)
+
+
 def test_a_kernel_that_refuses_non_square_causal_blocks_gets_square_ones(monkeypatch):
     """torch-ROCm's flash kernel (AOTriton): 'For backwards kernel seqlen_q must equal seqlen_k
     for causal kernels'. The alignment probe must not stop there: such a kernel gets a square
@@ -573,6 +592,38 @@ def test_flash_attn_backend_with_the_packages_signatures(flash_attn_on_cpu, dtyp
                                                        documents=[[0, 3, 4, 13, 14, 22], [0, 16]])
     assert kernels.blocks([1, 2], 4, kernels.bottom_right("flash_attn", torch.device("cpu"), dtype)) == \
         [(0, 4, 0, 8, True), (4, 8, 0, 12, True)]
+
+
+@pytest.mark.parametrize("documents", [[[0, 3, 4, 13, 14, 22], [0, 16]], [[0, 2, 5, 9, 20, 21]] * 2],
+                         ids=["per-sample", "shared"])
+def test_a_chunks_documents_are_one_varlen_call(flash_attn_on_cpu, monkeypatch, documents):
+    """Where the kernel has a varlen form (flash-attn's ``cu_seqlens``), the square causal
+    blocks of a query chunk's document pieces, one after another in queries and keys, are one
+    call forward and one backward, per sample or for the micro-batch (the samples one after
+    another); a piece's blocks against its document's earlier chunks stay blocks. Exact against
+    the masked softmax, and the calls counted."""
+    from megatron_tsp.core import block_attention as kernels
+
+    kernels.check_backend("flash_attn", torch.device("cpu"), torch.float32, windowed=True)  # its calls, not counted
+    calls = {"forward": 0, "forward_varlen": 0, "backward": 0, "backward_varlen": 0}
+    for name in calls:
+        real = getattr(kernels._FlashAttn, name)
+
+        def counted(*args, _real=real, _name=name):
+            calls[_name] += 1
+            return _real(*args)
+        monkeypatch.setattr(kernels._FlashAttn, name, counted)
+    chunk_ids = [1, 2]
+    for window in (-1, 5):
+        test_block_attention_matches_softmax_attention("flash_attn", torch.float32, chunk_ids, window, chunk=8,
+                                                       documents=documents)
+    runs, other, without = 0, 0, 0
+    for window in (-1, 5):
+        plan = kernels.blocks(chunk_ids, 8, True, window, "flash_attn", documents)
+        found, rest = kernels.kernel_calls(plan, varlen=True)
+        runs, other, without = runs + found, other + rest, without + kernels.kernel_calls(plan, varlen=False)[1]
+    assert 0 < runs and runs + other < without
+    assert calls == {"forward": other, "forward_varlen": runs, "backward": other, "backward_varlen": runs}
 
 
 def test_backward_in_calls_writes_what_one_call_writes():

@@ -30,6 +30,8 @@ CASES = (
     + [dict(config=TINY, mode=m, backend=b, overrides=WINDOW) for m in ("tsp", "tp-sp", "tp-cp")
        for b in ("flash", "flash_attn")]
     + [dict(config=TINY, mode="tsp", overrides=dict(WINDOW, bf16=False))]
+    # packed documents through the attention op: a chunk's document pieces as one varlen call
+    + [dict(config=TINY, mode="op", op="documents", backend=b) for b in ("flash", "flash_attn")]
     # the paper's 7B at 128K (D=8, bf16, full recompute) at 2 layers, auto (the flash kernel)
     + [dict(config=SEVEN_B, mode=m, overrides={"num_layers": 2}) for m in ("tsp", "tp", "tp-sp", "tp-sp-ring", "tp-cp")]
 )
@@ -65,11 +67,23 @@ def results():
                                              + ("-rocm" if c.get("rocm") else "")
                                              + ("-window" if "window_size" in c.get("overrides", {}) else "")
                                              + ("-fp32" if c.get("overrides", {}).get("bf16") is False else "")
+                                             + ("-documents" if c.get("op") else "")
                                              for c in CASES])
 def test_a_gpu_training_step_runs(results, case):
     result = results[_key(case)]
     assert result["error"] is None, result["traceback"]
-    assert result["peak_gib"] > 0 and result["flops"] > 0
+    if case.get("op") == "documents":
+        assert result["forward_varlen"] == result["backward_varlen"] == _varlen_runs(case["backend"]) > 0
+    else:
+        assert result["peak_gib"] > 0 and result["flops"] > 0
+
+
+def _varlen_runs(backend):
+    """The varlen calls fake_cuda's documents op makes (its two micro-batches' documents)."""
+    from megatron_tsp.core.block_attention import blocks, kernel_calls
+
+    return sum(kernel_calls(blocks([1, 2], 16, True, -1, backend, documents), varlen=True)[0]
+               for documents in ([[0, 3, 4, 13, 14, 22], [0, 16]], [[0, 2, 5, 9, 20, 21]] * 2))
 
 
 def test_a_gpu_process_never_enables_the_cpu_shims(results):

@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import bisect
 import inspect
+import itertools
 from functools import lru_cache
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -565,6 +566,23 @@ class _Flash:
             dout.contiguous(), q, k, v, out, lse, None, None, q.size(2), k.size(2), 0.0, causal, seed, offset,
             scale=scale)
 
+    @staticmethod
+    def has_varlen() -> bool:
+        """torch's CUDA flash kernel takes ``cum_seq_q/k``; ROCm's (AOTriton) is not relied on."""
+        return not getattr(torch.version, "hip", None)
+
+    @staticmethod
+    def forward_varlen(q, k, v, cu, longest, scale):
+        out, lse, *_ = torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, longest, longest, 0.0, True, False,
+                                                               scale=scale)
+        return out, lse
+
+    @staticmethod
+    def backward_varlen(dout, q, k, v, out, lse, cu, longest, scale):
+        seed, offset = _no_rng(q.device)
+        return torch.ops.aten._flash_attention_backward(dout, q, k, v, out, lse, cu, cu, longest, longest, 0.0, True,
+                                                        seed, offset, scale=scale)
+
 
 # torch 2.9 made the cuDNN kernel's lse [b, h, sq, 1]
 _CUDNN_LSE_4D = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 9)
@@ -649,6 +667,38 @@ class _FlashAttn:
             return opts, "window_size" in params
 
         return _flash_attn_forward, options(_flash_attn_forward), _flash_attn_backward, options(_flash_attn_backward)
+
+    @staticmethod
+    @lru_cache(maxsize=None)
+    def _varlen_functions():
+        """The package's varlen entry points where they take ``window_size_left`` (2.6 on, whose
+        lse is ``[h, total]``); None before."""
+        from flash_attn import flash_attn_interface as fa
+
+        fwd, bwd = (getattr(fa, name, None) for name in ("_flash_attn_varlen_forward", "_flash_attn_varlen_backward"))
+        if fwd is None or bwd is None or "window_size_left" not in inspect.signature(
+                getattr(fwd, "_init_fn", fwd)).parameters:
+            return None
+        return fwd, bwd
+
+    @classmethod
+    def has_varlen(cls) -> bool:
+        return cls._varlen_functions() is not None
+
+    @classmethod
+    def forward_varlen(cls, q, k, v, cu, longest, scale):
+        fwd, _ = cls._varlen_functions()
+        out, lse, *_ = fwd(q, k, v, cu, cu, longest, longest, 0.0, scale, True, window_size_left=-1,
+                           window_size_right=0, softcap=0.0, alibi_slopes=None, return_softmax=False)
+        return out, lse
+
+    @classmethod
+    def backward_varlen(cls, dout, q, k, v, out, lse, cu, longest, scale):
+        _, bwd = cls._varlen_functions()
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        bwd(dout, q, k, v, out, lse, dq, dk, dv, cu, cu, longest, longest, 0.0, scale, True, -1, 0, 0.0, None, False,
+            None)
+        return dq, dk, dv
 
     @staticmethod
     def _with_window(options, causal: bool, left: int) -> dict:
@@ -782,8 +832,9 @@ def check_backend(backend: str, device: torch.device, dtype: torch.dtype, window
     the lse handed back, for a square causal, a full and (where the kernel may align it
     bottom-right) a non-square causal block, against ``math``; the first time a sliding
     window (``windowed``) runs there, also a window's blocks (a causal one, a square and a
-    non-square band). Records the alignment; a one-line RuntimeError if the kernel's
-    conventions are not the ones assumed here."""
+    non-square band); where the kernel has a varlen form (:func:`_varlen_runs`), three
+    documents a sample in one call. Records the alignment; a one-line RuntimeError if the
+    kernel's conventions are not the ones assumed here."""
     key = (backend, device.type, dtype)
     if backend in ("math", "cpu") or (key in _CHECKED and (not windowed or key in _WINDOW_CHECKED)):
         return
@@ -800,10 +851,26 @@ def check_backend(backend: str, device: torch.device, dtype: torch.dtype, window
         ref_grads = reference.backward(dout, q, k, v, *ref, causal, 0.125, left)
         got = kernel.forward(q, k, v, causal, 0.125, left)
         got_grads = kernel.backward(dout, q, k, v, *ref, causal, 0.125, left)
-        for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), (*got, *got_grads), (*ref, *ref_grads)):
+        return close((*got, *got_grads), (*ref, *ref_grads))
+
+    def close(got, ref):
+        for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, ref):
             if a.shape != b.shape or not torch.allclose(a.float(), b.float(), atol=tol * b.abs().max().item(), rtol=0):
                 return name
         return None
+
+    def varlen_agrees():  # three documents of each of 2 samples in one call (_varlen_runs)
+        q, dout, k, v = tensor(64, 4), tensor(64, 4), tensor(64, 2), tensor(64, 2)
+        run = [_Call(a, b, a, b, True, -1, -1) for a, b in ((0, 16), (16, 56), (56, 64))]
+        parts = [(c.q0, c.q1) for c in run]
+        ref = [_Math.forward(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], True, 0.125) for a, b in parts]
+        out, lse = (torch.cat(t, 2) for t in zip(*ref))
+        ref_grads = [_Math.backward(dout[:, :, a:b], q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], out[:, :, a:b],
+                                    lse[:, :, a:b], True, 0.125) for a, b in parts]
+        got = _varlen_forward(kernel, q, k, v, run, 0.125)
+        got_grads = _varlen_backward(kernel, dout, q, k, v, out, lse, run, 0.125)
+        return close([torch.cat([got[c][i] for c in run], 2) for i in (0, 1)] + list(got_grads),
+                     [out, lse] + [torch.cat(t, 2) for t in zip(*ref_grads)])
 
     def check(cases):
         for sq, sk, causal, left in cases:
@@ -824,6 +891,12 @@ def check_backend(backend: str, device: torch.device, dtype: torch.dtype, window
     if key in _CHECKED:
         return
     check([(64, 64, True, -1), (64, 128, False, -1)])
+    if getattr(kernel, "has_varlen", lambda: False)():
+        wrong = varlen_agrees()
+        if wrong:
+            raise RuntimeError(f"attention backend {backend!r} gives a wrong {wrong} in its varlen form (cu_seqlens) "
+                               f"on {device.type} {dtype}; build the model with attention_backend='math' or another "
+                               "backend")
     aligned = kernel.bottom_right
     if aligned is None:
         try:
@@ -840,6 +913,80 @@ def _kernel(backend: str, q: torch.Tensor, calls: Sequence[_Call]) -> Tuple[str,
     if not is_fake(q):
         check_backend(backend, q.device, q.dtype, windowed)
     return backend, _KERNELS[backend]
+
+
+def _varlen_runs(kernel, calls: Sequence[_Call]) -> List[List[_Call]]:
+    """Runs of square causal blocks one after the other in both queries and keys, each run one
+    varlen call (``cu_seqlens``) where the kernel has one: packed documents' pieces of a query
+    chunk (:func:`document_blocks`) in one kernel call, not one call each."""
+    if not getattr(kernel, "has_varlen", lambda: False)():
+        return []
+    runs: List[List[_Call]] = []
+    for c in sorted(calls, key=lambda c: c.q0):
+        if not (c.causal and c.left < 0 and c.q1 - c.q0 == c.k1 - c.k0):
+            continue
+        if runs and runs[-1][-1].q1 == c.q0 and runs[-1][-1].k1 == c.k0:
+            runs[-1].append(c)
+        else:
+            runs.append([c])
+    return [run for run in runs if len(run) > 1]
+
+
+class _Varlen:
+    @staticmethod
+    def has_varlen() -> bool:
+        return True
+
+
+def kernel_calls(blocks_: Sequence[Block], varlen: bool) -> Tuple[int, int]:
+    """(varlen calls, other calls) the op makes for ``blocks_`` each way, on a kernel with a
+    varlen form (``varlen``) or without."""
+    calls = _unflat(_flat(blocks_))
+    if not varlen:
+        return 0, len(calls)
+    runs = [run for indices in _by_sample(calls).values() for run in _varlen_runs(_Varlen, [calls[i] for i in indices])]
+    return len(runs), len(calls) - sum(map(len, runs))
+
+
+def _thd(t: torch.Tensor) -> torch.Tensor:
+    """``[b, h, L, d]`` as a varlen kernel's ``[b·L, h, d]`` (the samples one after another)."""
+    return t.permute(0, 2, 1, 3).reshape(-1, t.size(1), t.size(3))
+
+
+def _bhsd_of(t: torch.Tensor, b: int) -> torch.Tensor:
+    return t.view(b, -1, *t.shape[1:]).permute(0, 2, 1, 3)
+
+
+def _cu_seqlens(run: Sequence[_Call], b: int, device) -> Tuple[torch.Tensor, int]:
+    """The run's pieces of every sample as a varlen kernel's sequences: int32 offsets and the
+    longest."""
+    lengths = [c.q1 - c.q0 for c in run] * b
+    return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device), max(lengths)
+
+
+def _varlen_forward(kernel, q, k, v, calls: Sequence[_Call], scale: float) -> Dict[_Call, Tuple[torch.Tensor, ...]]:
+    """The outputs and lse of the blocks :func:`_varlen_runs` finds, one kernel call a run."""
+    found = {}
+    for run in _varlen_runs(kernel, calls):
+        q0, q1, k0, k1 = run[0].q0, run[-1].q1, run[0].k0, run[-1].k1
+        cu, longest = _cu_seqlens(run, q.size(0), q.device)
+        out, lse = kernel.forward_varlen(_thd(q[:, :, q0:q1]), _thd(k[:, :, k0:k1]), _thd(v[:, :, k0:k1]), cu,
+                                         longest, scale)
+        out, lse = _bhsd_of(out, q.size(0)), lse.view(lse.size(0), q.size(0), -1).transpose(0, 1)
+        for c in run:
+            found[c] = (out[:, :, c.q0 - q0:c.q1 - q0], lse[:, :, c.q0 - q0:c.q1 - q0])
+    return found
+
+
+def _varlen_backward(kernel, dout, q, k, v, out, lse, run: Sequence[_Call], scale: float):
+    """A run's backward in one varlen call: dq, dk, dv over its rows and keys, ``[b, h, L, d]``."""
+    q0, q1, k0, k1 = run[0].q0, run[-1].q1, run[0].k0, run[-1].k1
+    b = q.size(0)
+    cu, longest = _cu_seqlens(run, b, q.device)
+    grads = kernel.backward_varlen(_thd(dout[:, :, q0:q1]), _thd(q[:, :, q0:q1]), _thd(k[:, :, k0:k1]),
+                                   _thd(v[:, :, k0:k1]), _thd(out[:, :, q0:q1]),
+                                   lse[:, :, q0:q1].transpose(0, 1).reshape(lse.size(1), -1), cu, longest, scale)
+    return tuple(_bhsd_of(g, b) for g in grads[:3])
 
 
 def _by_query(blocks_: Sequence[_Call]) -> Dict[Tuple[int, int], List[_Call]]:
@@ -873,9 +1020,10 @@ def _forward_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks_flat
 
 
 def _merge_into(kernel, q, k, v, out, lse, calls: List[_Call], scale: float, before=None) -> None:
+    varlen = _varlen_forward(kernel, q, k, v, calls, scale)
     for (q0, q1), row_blocks in _by_query(calls).items():
-        results = [(c.q0 - q0, c.q1 - q0, *kernel.forward(q[:, :, c.q0:c.q1], k[:, :, c.k0:c.k1], v[:, :, c.k0:c.k1],
-                                                          c.causal, scale, c.left))
+        results = [(c.q0 - q0, c.q1 - q0, *(varlen.get(c) or kernel.forward(
+                        q[:, :, c.q0:c.q1], k[:, :, c.k0:c.k1], v[:, :, c.k0:c.k1], c.causal, scale, c.left)))
                    for c in row_blocks]
         if before is not None:  # the first term: fp32 already, the accumulator starts from it
             results.insert(0, (0, q1 - q0, before[0][:, :, q0:q1], before[1][:, :, q0:q1]))
@@ -934,10 +1082,20 @@ def _backward_of(kernel, dout, q, k, v, out, lse, dq, dk, dv, earlier: List[_Cal
     """:func:`_backward_into` of one sample's blocks (or of blocks of every sample)."""
     keys_written = [(c.k0, c.k1) for c in earlier]
     rows_written = [(c.q0, c.q1) for c in earlier]
+    runs = {run[0]: run for run in _varlen_runs(kernel, now)}  # a run: one call over its rows and keys
+    in_runs = {c for run in runs.values() for c in run}
     dq_parts = []
-    for q0, q1, k0, k1, causal, left, _ in now:
-        g = kernel.backward(dout[:, :, q0:q1], q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1],
-                            out[:, :, q0:q1], lse[:, :, q0:q1].contiguous(), causal, scale, left)
+    for c in now:
+        if c in runs:
+            run = runs[c]
+            q0, q1, k0, k1 = c.q0, run[-1].q1, c.k0, run[-1].k1
+            g = _varlen_backward(kernel, dout, q, k, v, out, lse, run, scale)
+        elif c in in_runs:
+            continue
+        else:
+            q0, q1, k0, k1 = c.q0, c.q1, c.k0, c.k1
+            g = kernel.backward(dout[:, :, q0:q1], q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1],
+                                out[:, :, q0:q1], lse[:, :, q0:q1].contiguous(), c.causal, scale, c.left)
         dq_parts.append((q0, q1, g[0]))
         for a, b, add in _cover(keys_written, k0, k1):
             for buf, grad in ((dk, g[1]), (dv, g[2])):

@@ -41,6 +41,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from megatron_tsp.core import block_attention as ops
 from megatron_tsp.core import gemm as gemms
+from megatron_tsp.core.attention import head_groups_per_call
 from megatron_tsp.core.parallel_state import destroy_model_parallel
 from megatron_tsp.device import Device
 from megatron_tsp.env import run_record
@@ -227,6 +228,16 @@ def _measure_mode(args, mode: str, steps: int, device: Device, entry: Dict, prof
                      measured_peak_reserved_gib=torch.cuda.max_memory_reserved() / 2 ** 30)
 
 
+def _head_groups_per_call(args, mode: str, device: Device) -> Optional[int]:
+    """The head groups a TSP mode's attention puts in one call (:func:`head_groups_per_call`);
+    None for the others."""
+    if not get_mode(mode).tsp_layers or args.tsp_size == 1:
+        return None
+    return head_groups_per_call(args.tsp_head_groups_per_call or "auto", args.tsp_size, args.micro_batch_size,
+                                args.num_attention_heads // args.tsp_size, args.seq_length // (2 * args.tsp_size),
+                                device.torch)
+
+
 def check_modes(values: Dict, modes: List[str], steps: int, device: Device, budget_end: float,
                 save: Callable[[], None], result: Dict, profile: bool = False,
                 attention_backend: str = "auto") -> None:
@@ -244,7 +255,8 @@ def check_modes(values: Dict, modes: List[str], steps: int, device: Device, budg
                          planned_by_category_gib=planned["by_category_gib"],
                          flops_per_rank=planned["flops_per_rank"],
                          attention_kernel=ops.resolve_backend(attention_backend, device.torch, params_dtype(args),
-                                                              keys=args.seq_length))
+                                                              keys=args.seq_length),
+                         head_groups_per_call=_head_groups_per_call(args, mode, device))
             _measure_mode(args, mode, steps, device, entry, profile, attention_backend)
         except Exception as exc:  # noqa: BLE001 - out of memory, say: a result, and the next mode runs
             entry["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
@@ -300,11 +312,16 @@ def summary(result: Dict) -> str:
             lines.append(f"backend {name}: vs math {err}, fwd+bwd ms {entry.get('fwd_bwd_ms')}")
     for mode, entry in result.get("modes", {}).items():
         lines.append(f"{mode}: compute {entry.get('compute_s_median')} s/step, {entry.get('achieved_tflops')} "
-                     f"TFLOP/s, kernel {entry.get('attention_kernel')}, peak measured "
+                     f"TFLOP/s, kernel {_kernel(entry)}, peak measured "
                      f"{entry.get('measured_peak_gib')} GiB (reserved {entry.get('measured_peak_reserved_gib')}), "
                      f"planned {entry.get('planned_peak_gib')} GiB"
                      + (f", {entry['error']}" if "error" in entry else ""))
     return "\n".join(lines)
+
+
+def _kernel(entry: Dict) -> str:
+    groups = entry.get("head_groups_per_call")
+    return f"{entry.get('attention_kernel')}" + (f", {groups} head groups a call" if groups else "")
 
 
 def table(result: Dict, top: int = 12) -> str:
@@ -347,7 +364,7 @@ def table(result: Dict, top: int = 12) -> str:
                 lines.append(f"| {mode} | {e.get('error') or e.get('skipped')} | | | | | | |")
                 continue
             lines.append(f"| {mode} | {e['compute_s_median']:.3f} | {e['achieved_tflops']:.0f} | "
-                         f"{e['tokens_per_s']:.0f} | {e['attention_kernel']} | {e.get('measured_peak_gib') or 0:.2f} | "
+                         f"{e['tokens_per_s']:.0f} | {_kernel(e)} | {e.get('measured_peak_gib') or 0:.2f} | "
                          f"{e['planned_peak_gib']:.2f} | {e.get('measured_peak_reserved_gib') or 0:.2f} |")
         if "tsp_vs_tp_sp_compute" in result:
             lines += ["", f"TSP / TP+SP compute: {result['tsp_vs_tp_sp_compute']:.3f}"]

@@ -1,4 +1,4 @@
-"""flash-attn 2.8.3's ``_flash_attn_forward`` / ``_flash_attn_backward``: same names,
+"""flash-attn 2.8.3's ``_flash_attn_forward`` / ``_flash_attn_backward`` and their varlen twins: same names,
 parameters, outputs and conventions, computed by fp32 softmax attention (tests only)."""
 
 from typing import Optional, Tuple
@@ -75,3 +75,67 @@ _flash_attn_forward.register_fake(_forward_fake)
 _flash_attn_backward = torch.library.custom_op("flashattn_standin::_flash_attn_backward",
                                                mutates_args=("dq", "dk", "dv"), device_types=None)(_backward)
 _flash_attn_backward.register_fake(_backward_fake)
+
+
+def _per_sequence(cu_seqlens_q, cu_seqlens_k):
+    """(query rows, key rows) of each sequence of a varlen call."""
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    return [(slice(a, b), slice(c, d)) for a, b, c, d in zip(cq, cq[1:], ck, ck[1:])]
+
+
+def _varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                    cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, dropout_p: float,
+                    softmax_scale: float, causal: bool, window_size_left: int = -1, window_size_right: int = -1,
+                    softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None, return_softmax: bool = False,
+                    block_table: Optional[torch.Tensor] = None, leftpad_k: Optional[torch.Tensor] = None,
+                    seqused_k: Optional[torch.Tensor] = None
+                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``[total, h, d]`` sequences one after another (``cu_seqlens``), lse ``[h, total_q]``."""
+    assert block_table is None and leftpad_k is None and seqused_k is None
+    out = torch.empty_like(q)
+    lse = q.new_empty((q.size(1), q.size(0)), dtype=torch.float32)
+    for rows, keys in _per_sequence(cu_seqlens_q, cu_seqlens_k):
+        assert rows.stop - rows.start <= max_seqlen_q and keys.stop - keys.start <= max_seqlen_k
+        o, sequence_lse, *_ = _forward(q[None, rows], k[None, keys], v[None, keys], dropout_p, softmax_scale, causal,
+                                       window_size_left, window_size_right, softcap, alibi_slopes, False)
+        out[rows], lse[:, rows] = o[0], sequence_lse[0]
+    return out, lse, q.new_empty(0), q.new_empty(2, dtype=torch.int64)
+
+
+def _varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                         causal, window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None,
+                         return_softmax=False, block_table=None, leftpad_k=None, seqused_k=None):
+    return (torch.empty_like(q), q.new_empty((q.size(1), q.size(0)), dtype=torch.float32), q.new_empty(0),
+            q.new_empty(2, dtype=torch.int64))
+
+
+def _varlen_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                     softmax_lse: torch.Tensor, dq: Optional[torch.Tensor], dk: Optional[torch.Tensor],
+                     dv: Optional[torch.Tensor], cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                     max_seqlen_q: int, max_seqlen_k: int, dropout_p: float, softmax_scale: float, causal: bool,
+                     window_size_left: int, window_size_right: int, softcap: float,
+                     alibi_slopes: Optional[torch.Tensor], deterministic: bool,
+                     rng_state: Optional[torch.Tensor] = None) -> torch.Tensor:
+    assert softmax_lse.shape == (q.size(1), q.size(0)), "lse must be [h, total_q]"
+    delta = softmax_lse.new_empty((q.size(1), q.size(0)))
+    for rows, keys in _per_sequence(cu_seqlens_q, cu_seqlens_k):
+        delta[:, rows] = _backward(dout[None, rows], q[None, rows], k[None, keys], v[None, keys], out[None, rows],
+                                   softmax_lse[None, :, rows], dq[None, rows], dk[None, keys], dv[None, keys],
+                                   dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap,
+                                   alibi_slopes, deterministic)[0]
+    return delta
+
+
+def _varlen_backward_fake(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                          max_seqlen_k, dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap,
+                          alibi_slopes, deterministic, rng_state=None):
+    return q.new_empty((q.size(1), q.size(0) + 128 * (cu_seqlens_q.numel() - 1)), dtype=torch.float32)
+
+
+_flash_attn_varlen_forward = torch.library.custom_op("flashattn_standin::_flash_attn_varlen_forward",
+                                                     mutates_args=(), device_types=None)(_varlen_forward)
+_flash_attn_varlen_forward.register_fake(_varlen_forward_fake)
+_flash_attn_varlen_backward = torch.library.custom_op("flashattn_standin::_flash_attn_varlen_backward",
+                                                      mutates_args=("dq", "dk", "dv"),
+                                                      device_types=None)(_varlen_backward)
+_flash_attn_varlen_backward.register_fake(_varlen_backward_fake)
