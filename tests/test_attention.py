@@ -626,6 +626,35 @@ def test_a_chunks_documents_are_one_varlen_call(flash_attn_on_cpu, monkeypatch, 
     assert calls == {"forward": other, "forward_varlen": runs, "backward": other, "backward_varlen": runs}
 
 
+@pytest.mark.parametrize("documents", [[[0, 3, 4, 13, 14, 22, 27], [0, 16, 30]], [[0, 2, 5, 9, 20, 21, 26]] * 2],
+                         ids=["per-sample", "shared"])
+def test_tsp_zigzag_document_blocks_as_varlen_calls(flash_attn_on_cpu, documents):
+    """TSP's blocks of packed documents in the zigzag layout (D=2, both ranks; the backward in
+    two calls, the schedule's): with flash-attn's varlen form what the math kernel computes
+    block by block, gradients written into the fp32 dK/dV buffer."""
+    from megatron_tsp.core import block_attention as kernels
+
+    chunk = 8
+    g = torch.Generator().manual_seed(0)
+    for rank in (0, 1):
+        forward, (backward, split) = kernels.zigzag_document_blocks(2, rank, chunk, documents)
+        assert kernels.kernel_calls(forward, varlen=True)[0] > 0
+        q, dout = (torch.randn(2 * chunk, 2, 4, 8, generator=g) for _ in range(2))
+        k, v = (torch.randn(4 * chunk, 2, 2, 8, generator=g) for _ in range(2))
+        results = []
+        for backend in ("math", "flash_attn"):
+            out = torch.zeros_like(q)
+            lse = kernels.attend_into(q, k, v, forward, 0.3, backend, out)
+            dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+            for first, last in ((0, split), (split, len(backward))):
+                if first < last:
+                    kernels.attend_backward_into(dout, q, k, v, out, lse, backward, 0.3, backend, dq, dk, dv, first,
+                                                 last, zero_untouched=first == 0)
+            results.append((out, lse, dq, dk, dv))
+        errors = {name: rel_err(a, b) for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), *results)}
+        assert_within([[(rank, errors)]], torch.float32)
+
+
 def test_backward_in_calls_writes_what_one_call_writes():
     """attend_backward_into over blocks[first:last] after blocks[:first] (TSP's backward posts
     part of dK/dV between two calls): dq, dK, dV as one call over every block writes them,
