@@ -237,12 +237,15 @@ def test_head_groups_per_call_fill_the_gpu_at_short_sequences():
     from megatron_tsp.core.attention import check_head_groups_per_call, head_groups_per_call
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    # the 7B at D=8: 4 query heads a head group, rows S/16, the planner's 132 SMs
-    picked = {s: head_groups_per_call("auto", 8, 1, 4, s // 16, cuda, planned=True) for s in (8192, 16384, 32768,
-                                                                                           65536, 131072)}
-    assert picked == {8192: 8, 16384: 8, 32768: 4, 65536: 2, 131072: 1}
-    assert head_groups_per_call("auto", 8, 1, 4, 1024, cpu) == 1
-    assert head_groups_per_call(2, 8, 1, 4, 8192, cuda, planned=True) == 2
+    # the 7B at D=8: 4 query heads a head group, rows S/16, the planner's 132 SMs (its fake
+    # tensors plan a GPU's kernels on either device)
+    for device in (cuda, cpu):
+        picked = {s: head_groups_per_call("auto", 8, 1, 4, s // 16, device, "flash", planned=True)
+                  for s in (8192, 16384, 32768, 65536, 131072)}
+        assert picked == {8192: 8, 16384: 8, 32768: 4, 65536: 2, 131072: 1}
+    assert head_groups_per_call("auto", 8, 1, 4, 1024, cpu, "cpu") == 1
+    assert head_groups_per_call("auto", 8, 1, 4, 1024, cpu, "math", planned=True) == 1
+    assert head_groups_per_call(2, 8, 1, 4, 8192, cuda, "flash", planned=True) == 2
     for bad in (3, 0, "two", True):
         with pytest.raises(ValueError, match=r"head_groups_per_call must be 'auto' or a divisor of the TSP size 8"):
             check_head_groups_per_call(bad, 8, "head_groups_per_call")

@@ -48,7 +48,7 @@ def test_overlap_hides_only_the_modes_overlappable_traffic():
 def test_layer_extrapolation_matches_a_full_plan():
     values = config.load_config(TINY)
     counts = perfmodel.layer_counts(values, "tsp")
-    full = memory.plan(values, "tsp")
+    full = memory.plan(values, "tsp", attention_backend="gpu")  # a GPU's kernels, as the counts plan them
     total = perfmodel.totals_for(counts, config.resolve(values).num_layers)
     assert abs(total["flops"] - full["flops_per_rank"]) <= 1e-9 * full["flops_per_rank"]
     assert perfmodel.totals_for(counts, 4)["comm"]["tsp"] == full["comm"]["tsp"]

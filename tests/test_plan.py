@@ -73,7 +73,8 @@ def test_peak_memory_and_flops_extrapolate_exactly_in_the_layer_count(config, mo
 
     base = TINY if config is None else cfg.load_config(os.path.join(ROOT, "configs", config))
     values = dict(base, num_layers=layers, **recompute)
-    plans = {rank: memory.plan(dict(values), mode, rank=rank) for rank in (0, 1)}  # the last rank of 2
+    # the last rank of 2; a GPU's kernels, as the counts plan them (TSP's head groups per call follow them)
+    plans = {rank: memory.plan(dict(values), mode, rank=rank, attention_backend="gpu") for rank in (0, 1)}
     total = perfmodel.totals_for(perfmodel.layer_counts(values, mode), layers)
     assert total["peak_gib"] == pytest.approx(max(p["peak_gib"] for p in plans.values()), rel=1e-9)
     # the slowest rank's (a window's first chunk sees fewer keys: rank 0 does less attention)

@@ -42,6 +42,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from megatron_tsp.core import comm, zigzag
 from megatron_tsp.core.block_attention import (
+    GPU_BACKENDS,
     apply_sink,
     attend_backward_into,
     attend_into,
@@ -84,21 +85,22 @@ def check_head_groups_per_call(setting: Union[int, str], d_size: int, name: str)
 
 
 def head_groups_per_call(setting: Union[int, str], d_size: int, batch: int, heads: int, rows: int,
-                         device: torch.device, planned: bool = False) -> int:
+                         device: torch.device, backend: str, planned: bool = False) -> int:
     """How many head groups a stage of TSP attention puts side by side: one K/V gather and
-    one kernel call per block for all of them. An int is taken as it is. ``auto``: 1 on the
-    CPU, whose kernels split any call across their threads; on a GPU the fewest (a divisor
-    of D) whose calls fill it, ``batch x G x heads x ceil(rows / TILE_ROWS)`` thread blocks
-    at least its SM count (:data:`PLANNED_SMS` for the planner's fake tensors). One head
+    one kernel call per block for all of them. An int is taken as it is. ``auto``: 1 for the
+    CPU's kernels (``backend``, resolved), which split any call across their threads; for a
+    GPU kernel the fewest (a divisor of D) whose calls fill the GPU, ``batch x G x heads x
+    ceil(rows / TILE_ROWS)`` thread blocks at least its SM count (:data:`PLANNED_SMS` for the
+    planner's fake tensors, which plan a GPU's kernels wherever they live). One head
     group per call keeps the most overlap, but at short S its calls leave most SMs idle: the
     7B at D=8 (4 heads a group) has 32 thread blocks a call at 16K, so all 8 groups go in one
     stage on 132 SMs; 4 at 32K, 2 at 64K, 1 from 128K. ``heads``: query heads per head
     group; ``rows``: query rows per call (a zigzag chunk, S/2D)."""
     if setting != "auto":
         return setting
-    if device.type != "cuda":
+    if backend not in GPU_BACKENDS:
         return 1
-    if planned:
+    if planned or device.type != "cuda":
         sms = PLANNED_SMS
     else:
         index = device.index if device.index is not None else torch.cuda.current_device()
@@ -305,7 +307,7 @@ class TSPSelfAttention(SelfAttention):
             backward_follows=torch.is_grad_enabled() or self.config.recompute_granularity == "full",
             groups_per_call=head_groups_per_call(self.head_groups_per_call, d_size, hidden_states.size(1),
                                                  self.num_attention_heads_per_partition, chunk,
-                                                 hidden_states.device, planned=is_fake(hidden_states)))
+                                                 hidden_states.device, backend, planned=is_fake(hidden_states)))
         sink = []
         if self.config.softmax_type == "learnable":  # read, not called: its pre-hooks stand in (streaming.py)
             run_forward_pre_hooks(self.core_attention)

@@ -228,14 +228,14 @@ def _measure_mode(args, mode: str, steps: int, device: Device, entry: Dict, prof
                      measured_peak_reserved_gib=torch.cuda.max_memory_reserved() / 2 ** 30)
 
 
-def _head_groups_per_call(args, mode: str, device: Device) -> Optional[int]:
+def _head_groups_per_call(args, mode: str, device: Device, kernel: str) -> Optional[int]:
     """The head groups a TSP mode's attention puts in one call (:func:`head_groups_per_call`);
     None for the others."""
     if not get_mode(mode).tsp_layers or args.tsp_size == 1:
         return None
     return head_groups_per_call(args.tsp_head_groups_per_call or "auto", args.tsp_size, args.micro_batch_size,
                                 args.num_attention_heads // args.tsp_size, args.seq_length // (2 * args.tsp_size),
-                                device.torch)
+                                device.torch, kernel)
 
 
 def check_modes(values: Dict, modes: List[str], steps: int, device: Device, budget_end: float,
@@ -255,8 +255,8 @@ def check_modes(values: Dict, modes: List[str], steps: int, device: Device, budg
                          planned_by_category_gib=planned["by_category_gib"],
                          flops_per_rank=planned["flops_per_rank"],
                          attention_kernel=ops.resolve_backend(attention_backend, device.torch, params_dtype(args),
-                                                              keys=args.seq_length),
-                         head_groups_per_call=_head_groups_per_call(args, mode, device))
+                                                              keys=args.seq_length))
+            entry.update(head_groups_per_call=_head_groups_per_call(args, mode, device, entry["attention_kernel"]))
             _measure_mode(args, mode, steps, device, entry, profile, attention_backend)
         except Exception as exc:  # noqa: BLE001 - out of memory, say: a result, and the next mode runs
             entry["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
