@@ -74,11 +74,31 @@ class Terminated(BaseException):
         self.signum = signum
 
 
+_STOPS = (signal.SIGINT, signal.SIGTERM)
+
+
 def ignore_stops() -> None:
     """The first stop wins: a SIGTERM after Ctrl-C (or a second one) does not interrupt the
-    cleanup, nor change the exit code and line of the first."""
-    for signum in (signal.SIGINT, signal.SIGTERM):
+    cleanup, nor change the exit code and line of the first. SIG_IGN, not a handler that does
+    nothing: Python puts SIG_DFL back for its own handlers as it shuts down. A stop whose C
+    handler ran just before (its Python one had not yet) is then reported by Python as
+    "OSError: Signal 15 ignored due to race condition", with a traceback: it is the later
+    stop being ignored, as meant, and the unraisable hook drops that report."""
+    if not getattr(sys.unraisablehook, "drops_ignored_stops", False):
+        sys.unraisablehook = _dropping_ignored_stops(sys.unraisablehook)
+    for signum in _STOPS:
         signal.signal(signum, signal.SIG_IGN)
+
+
+def _dropping_ignored_stops(hook: Callable) -> Callable:
+    ignored = {f"Signal {int(s)} ignored due to race condition" for s in _STOPS}
+
+    def drop(unraisable) -> None:
+        if not (isinstance(unraisable.exc_value, OSError) and str(unraisable.exc_value) in ignored):
+            hook(unraisable)
+
+    drop.drops_ignored_stops = True
+    return drop
 
 
 def raise_terminated(signum: int, frame: Any) -> None:
