@@ -136,3 +136,20 @@ def init_tsp(tsp_size: int, **kwargs) -> None:
 
     megatron_tsp.initialize_model_parallel(tsp_size=tsp_size, **kwargs)
     model_parallel_cuda_manual_seed(1234)
+
+
+def kernel_calls(blocks_, varlen: bool):
+    """(varlen calls, other calls) the attention op makes each way for ``blocks_``, on a kernel
+    with a varlen form (``varlen``) or without."""
+    from megatron_tsp.core import block_attention as kernels
+
+    calls = kernels._unflat(kernels._flat(blocks_))
+    if not varlen:
+        return 0, len(calls)
+
+    class Varlen:
+        has_varlen = staticmethod(lambda: True)
+
+    runs = [run for indices in kernels._by_sample(calls).values()
+            for run in kernels._varlen_runs(Varlen, [calls[i] for i in indices], torch.empty(0))]
+    return len(runs), len(calls) - sum(map(len, runs))

@@ -20,6 +20,7 @@ from reference import (
     assert_within,
     configs,
     init_tsp,
+    kernel_calls,
     local_rows,
     rel_err,
     replicated_bias_error,
@@ -464,8 +465,9 @@ def test_gpu_backend_self_check_accepts_a_right_kernel_and_stops_a_wrong_one(mon
         kernels.check_backend("flash", cpu, torch.float32)
 
 
-def test_the_self_check_stops_a_varlen_form_with_another_lse_layout(flash_attn_on_cpu, monkeypatch):
-    """A varlen kernel whose lse is [total, h] (not flash-attn's [h, total]) fails the check."""
+def test_the_self_check_sets_aside_a_varlen_form_with_another_lse_layout(flash_attn_on_cpu, monkeypatch):
+    """A varlen kernel whose lse is [total, h] (not flash-attn's [h, total]) fails the check:
+    one warning, and packed documents run as blocks, exact, on that kernel."""
     from megatron_tsp.core import block_attention as kernels
 
     class OtherLayout(kernels._FlashAttn):
@@ -475,12 +477,17 @@ def test_the_self_check_stops_a_varlen_form_with_another_lse_layout(flash_attn_o
             return out, lse.t().contiguous().view(lse.shape)
 
     monkeypatch.setattr(kernels, "_CHECKED", {})
+    monkeypatch.setattr(kernels, "_VARLEN_BROKEN", set())
     cpu = torch.device("cpu")
     kernels.check_backend("flash_attn", cpu, torch.float32)  # the right one passes
+    assert not kernels._VARLEN_BROKEN
     monkeypatch.setattr(kernels, "_CHECKED", {})
     monkeypatch.setitem(kernels._KERNELS, "flash_attn", OtherLayout)
-    with pytest.raises(RuntimeError, match="attention backend 'flash_attn' gives a wrong lse in its varlen form"):
+    with pytest.warns(UserWarning, match="attention backend 'flash_attn' gives a wrong lse in its varlen form"):
         kernels.check_backend("flash_attn", cpu, torch.float32)
+    assert kernels._VARLEN_BROKEN == {(OtherLayout, "cpu", torch.float32)}
+    test_block_attention_matches_softmax_attention("flash_attn", torch.float32, [1, 2], chunk=8,
+                                                   documents=[[0, 3, 4, 13, 14, 22], [0, 16]])
 
 
 def test_a_kernel_that_refuses_non_square_causal_blocks_gets_square_ones(monkeypatch):
@@ -623,8 +630,8 @@ def test_a_chunks_documents_are_one_varlen_call(flash_attn_on_cpu, monkeypatch, 
     runs, other, without = 0, 0, 0
     for window in (-1, 5):
         plan = kernels.blocks(chunk_ids, 8, True, window, "flash_attn", documents)
-        found, rest = kernels.kernel_calls(plan, varlen=True)
-        runs, other, without = runs + found, other + rest, without + kernels.kernel_calls(plan, varlen=False)[1]
+        found, rest = kernel_calls(plan, varlen=True)
+        runs, other, without = runs + found, other + rest, without + kernel_calls(plan, varlen=False)[1]
     assert 0 < runs and runs + other < without
     assert calls == {"forward": other, "forward_varlen": runs, "backward": other, "backward_varlen": runs}
 
@@ -641,7 +648,7 @@ def test_tsp_zigzag_document_blocks_as_varlen_calls(flash_attn_on_cpu, documents
     g = torch.Generator().manual_seed(0)
     for rank in (0, 1):
         forward, (backward, split) = kernels.zigzag_document_blocks(2, rank, chunk, documents)
-        assert kernels.kernel_calls(forward, varlen=True)[0] > 0
+        assert kernel_calls(forward, varlen=True)[0] > 0
         q, dout = (torch.randn(2 * chunk, 2, 4, 8, generator=g) for _ in range(2))
         k, v = (torch.randn(4 * chunk, 2, 2, 8, generator=g) for _ in range(2))
         results = []

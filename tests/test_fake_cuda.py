@@ -80,7 +80,9 @@ def test_a_gpu_training_step_runs(results, case):
 
 def _varlen_runs(backend):
     """The varlen calls fake_cuda's documents op makes (its two micro-batches' documents)."""
-    from megatron_tsp.core.block_attention import blocks, kernel_calls
+    from reference import kernel_calls
+
+    from megatron_tsp.core.block_attention import blocks
 
     return sum(kernel_calls(blocks([1, 2], 16, True, -1, backend, documents), varlen=True)[0]
                for documents in ([[0, 3, 4, 13, 14, 22], [0, 16]], [[0, 2, 5, 9, 20, 21]] * 2))

@@ -411,24 +411,6 @@ def test_sigterm_while_the_job_starts_saves_after_the_first_step(tmp_path):
     _assert_saved_and_stopped(proc, out, err, save)
 
 
-def test_a_stopping_process_ignores_later_stops_by_a_handler_not_sig_ign():
-    """With SIG_IGN, a SIGTERM whose C handler had run just before its Python handler was
-    replaced printed "OSError: Signal 15 ignored due to race condition" and a traceback under
-    load (the test below, once in CI): later stops are ignored by a Python handler instead."""
-    from megatron_tsp.run import launch
-
-    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        launch.ignore_stops()
-        for signum in saved:
-            assert callable(signal.getsignal(signum))
-        signal.raise_signal(signal.SIGTERM)
-        signal.raise_signal(signal.SIGINT)  # neither interrupts
-    finally:
-        for signum, handler in saved.items():
-            signal.signal(signum, handler)
-
-
 def test_a_stop_ignored_as_it_arrived_is_not_reported():
     """Under load a SIGTERM after Ctrl-C arrived as ignore_stops set SIG_IGN, and Python printed
     "OSError: Signal 15 ignored due to race condition" with a traceback (the test below, once

@@ -40,9 +40,8 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch._subclasses.fake_tensor import is_fake
 
-from megatron_tsp.core import comm, zigzag
+from megatron_tsp.core import block_attention, comm, zigzag
 from megatron_tsp.core.block_attention import (
-    GPU_BACKENDS,
     apply_sink,
     attend_backward_into,
     attend_into,
@@ -98,7 +97,7 @@ def head_groups_per_call(setting: Union[int, str], d_size: int, batch: int, head
     group; ``rows``: query rows per call (a zigzag chunk, S/2D)."""
     if setting != "auto":
         return setting
-    if backend not in GPU_BACKENDS:
+    if backend not in block_attention.GPU_BACKENDS:
         return 1
     if planned or device.type != "cuda":
         sms = PLANNED_SMS
@@ -346,7 +345,7 @@ class AttentionScheduleArgs:
     chain: LayerChain
     module: object
     softmax_type: str = "vanilla"  # megatron's: vanilla, off-by-one (a sink logit 0), learnable (its parameter)
-    own_keys_last: Optional[Tuple[list, int]] = None  # :func:`zigzag_own_keys_last`, for the last head group
+    own_keys_last: Optional[Tuple[list, int]] = None  # :func:`zigzag_own_keys_last`, for the last stage
     own_keys_first: Optional[list] = None  # :func:`zigzag_own_keys_first`, per query chunk of the forward
     backward_follows: bool = True  # grad mode at the call, or a recomputed layer's first pass
     groups_per_call: int = 1  # head groups side by side in one stage (:func:`head_groups_per_call`)
@@ -380,10 +379,11 @@ def side_by_side(tensors: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
 
 
 class HeadGroup(NamedTuple):
-    """Forward, one head group: its queries for this rank's tokens, its K/V being gathered,
-    this rank's own K/V (the gather's send buffer), and, once attended, per query chunk its
-    attention against the own keys (:func:`zigzag_own_keys_first`): fp32 and its lse, or the
-    chunk's output and lse where it sees no other keys."""
+    """Forward, one stage (its head groups side by side in the head dimension): its queries
+    for this rank's tokens, its K/V being gathered, this rank's own K/V (the gather's send
+    buffer), and, once attended, per query chunk its attention against the own keys
+    (:func:`zigzag_own_keys_first`): fp32 and its lse, or the chunk's output and lse where it
+    sees no other keys."""
 
     query: torch.Tensor
     kv: GatherKV
@@ -394,18 +394,20 @@ class HeadGroup(NamedTuple):
 class StreamAttentionHeads(torch.autograd.Function):
     """y_p = (concat_r attn(x_p; W_r)) Wproj^T with W_r broadcast from rank r (module docstring).
 
-    Forward, per head group r (explicit loop): the broadcasts of the next ``lookahead``
-    shards are in flight; group r+1 is projected and its K/V all-gather started before group
-    r attends, so that the gather runs during the attention. In the zigzag layout a group
-    attends first to this rank's own two key chunks, which need no transfer (group r+1's
-    before group r's others; group 0's once group 1's gather is posted too), then to the
-    others' once they arrive, merged with the first part by lse inside the op. Group r's attention output goes
-    into its columns of O, its projection shard into its columns of Wproj, and its weight
-    buffer goes. Backward re-broadcasts W_r, re-gathers K_r, V_r from the saved projection
+    Forward, per stage r (explicit loop; a stage is ``groups_per_call`` head groups side by
+    side, one K/V gather and one kernel call per block for all of them, and with one group
+    a stage is a head group): the broadcasts of the next ``lookahead`` stages' shards are in
+    flight; stage r+1 is projected and its K/V all-gather started before stage r attends, so
+    that the gather runs during the attention. In the zigzag layout a stage attends first to
+    this rank's own two key chunks, which need no transfer (stage r+1's before stage r's
+    others; stage 0's once stage 1's gather is posted too), then to the others' once they
+    arrive, merged with the first part by lse inside the op. Stage r's attention output goes
+    into its columns of O, each projection shard into its columns of Wproj, and each weight
+    buffer goes. Backward re-broadcasts W_r, re-gathers K_r, V_r from the saved projections
     ``m_r`` and runs the attention kernels' backward from ``(O_r, lse_r)``: no attention
-    forward and no projection GEMM is recomputed. Group r+1's K/V gather is started before
-    group r's attention backward, and group r's dK/dV reduce-scatter is in flight while group
-    r+1 computes (group r's input and weight gradients are finished after it). Sums run in
+    forward and no projection GEMM is recomputed. Stage r+1's K/V gather is started before
+    stage r's attention backward, and stage r's dK/dV reduce-scatter is in flight while stage
+    r+1 computes (stage r's input and weight gradients are finished after it). Sums run in
     the same order with and without overlap (``args.overlap``): bit-identical results where
     the attention kernels are deterministic (the CPU's; not flash-attn's backward on a GPU).
     """
@@ -422,20 +424,22 @@ class StreamAttentionHeads(torch.autograd.Function):
         projections, lses = [None] * d_size, []
         with comm.InFlight() as inflight:
             stream = WeightBroadcast(own, args.weight_group, inflight, first=args.chain.take(args.module))
-            ahead = args.lookahead if args.overlap else 0
+            ahead = (args.lookahead if args.overlap else 0) * args.groups_per_call  # in head groups
 
             def use(r: int) -> List[torch.Tensor]:
-                """Shard r, with the next ``ahead`` in flight behind it."""
+                """Shard r, with the shards of the next ``lookahead`` stages in flight behind it."""
                 stream.start(r + ahead)
                 return stream.wait(r)
 
             def project(s: int) -> HeadGroup:
-                local = send_buffer(x.shape[:2] + (args.groups_per_call * args.kv_heads, args.head_dim), x)
-                queries = []
+                local, queries = None, []
                 for j, r in enumerate(args.stage_groups(s)):
                     shard = use(r)
                     mixed = F.linear(x, *shard[:-1])
                     projections[r] = mixed
+                    if local is None:
+                        local = send_buffer(mixed.shape[:2] + (args.groups_per_call * args.kv_heads, args.head_dim),
+                                            mixed)
                     query, _, _ = args.split_heads(mixed, args.rope, local[:, :, :, args.group_heads(j)[1]])
                     queries.append(query)
                     if d_size > 1:
@@ -468,7 +472,7 @@ class StreamAttentionHeads(torch.autograd.Function):
                     return group.kv[:, 0], group.kv[:, 1]
                 return group.kv.wait_first() if i == 0 else group.kv.wait()
 
-            for r in range(1 + ahead):
+            for r in range(args.groups_per_call + ahead):
                 stream.start(r)
             group = project(0)
             stages = args.stages
@@ -518,8 +522,8 @@ class StreamAttentionHeads(torch.autograd.Function):
                 inputs.kv.adopt(inflight)
             ctx.prefetched = []
             stream = WeightBroadcast(saved.own, args.weight_group, inflight, first=args.chain.take(args.module))
-            ahead = args.lookahead if args.overlap else 0
-            for r in range(1 + ahead):
+            ahead = (args.lookahead if args.overlap else 0) * args.groups_per_call  # in head groups
+            for r in range(args.groups_per_call + ahead):
                 stream.start(r)
             inputs = grads.inputs(0, inflight)
             scattering: Optional[HeadGroupAttentionGrads] = None  # dK/dV being reduce-scattered
@@ -527,15 +531,12 @@ class StreamAttentionHeads(torch.autograd.Function):
             for s in range(stages):
                 upcoming = None
                 if args.overlap:
-                    for r in args.stage_groups(s):
-                        stream.start(r + 1 + ahead)
+                    for r in args.stage_groups(s):  # the stage's shards `lookahead` stages on
+                        stream.start(r + args.groups_per_call + ahead)
                     if s == stages - 1:
                         args.chain.post_next(args.module, backward=True)
                     upcoming = grads.inputs(s + 1, inflight) if s + 1 < stages else None
-                shards = []
-                for r in args.stage_groups(s):
-                    stream.start(r)  # posted already, but for the first stage's beyond the lookahead
-                    shards.append(stream.wait(r))
+                shards = [stream.wait(r) for r in args.stage_groups(s)]
                 finished = grads.attention(s, shards, inputs, stream, inflight)
                 if args.overlap:
                     finished, scattering = scattering, finished
@@ -575,7 +576,7 @@ def head_group_sinks(args: AttentionScheduleArgs, sink: Optional[torch.Tensor], 
 class Saved(NamedTuple):
     """What the forward keeps for backward (by ``save_for_backward``, so that saved-tensor
     hooks see it): the input, the concatenated attention output O, per head group r the
-    projection ``m_r``, per head group and query chunk the log-sum-exp (group-major), the
+    projection ``m_r``, per stage and query chunk the log-sum-exp (stage-major), the
     RoPE tables of this rank's tokens (empty without RoPE), and every head group's sink
     logits ``[D, a/D]`` (empty with megatron's vanilla softmax; O and the lse are then those
     of the softmax with the sink, :func:`apply_sink`)."""
@@ -681,11 +682,11 @@ class HeadGroupGradients:
         # every head group's sink gradient from this rank's queries, summed at its owner at the end
         self.d_sinks = torch.zeros_like(saved.sinks[0]) if args.softmax_type == "learnable" else None
 
-    def inputs(self, r: int, inflight: comm.InFlight) -> HeadGroupInputs:
-        if r < len(self.prefetched) and self.prefetched[r] is not None:
-            taken, self.prefetched[r] = self.prefetched[r], None
+    def inputs(self, s: int, inflight: comm.InFlight) -> HeadGroupInputs:
+        if s < len(self.prefetched) and self.prefetched[s] is not None:
+            taken, self.prefetched[s] = self.prefetched[s], None
             return taken
-        return regather_inputs(self.args, self.saved, r, inflight)
+        return regather_inputs(self.args, self.saved, s, inflight)
 
     def attention(self, s: int, shards, inputs: HeadGroupInputs, stream: WeightBroadcast,
                   inflight: comm.InFlight) -> HeadGroupAttentionGrads:
