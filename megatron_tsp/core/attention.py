@@ -125,7 +125,7 @@ class TSPSelfAttention(SelfAttention):
     ``chain``: the model's :class:`~megatron_tsp.core.prefetch.LayerChain` (the spec passes
     one): the next layer's first shard travels during this layer's last head group.
     ``lookahead``: head-group shards in flight ahead of the one in use (1 or more: each one
-    more shard of memory).
+    more shard of memory); with several head groups a stage, stages' shards.
     ``head_groups_per_call``: head groups attended side by side, in one kernel call per
     block and one K/V gather (:func:`head_groups_per_call`; ``auto`` or a divisor of D).
     """

@@ -83,7 +83,7 @@ ARGUMENTS: Dict[str, Arg] = {
     "sequence_parallel": _b("Megatron sequence parallelism (implied by tsp_size > 1)"),
     "ring_mlp": _b("TSP's ring MLP in a tensor-parallel model: weight shards rotate, no activation collectives"),
     "tsp_lookahead": Arg(int, 1, "TSP attention: head-group weight shards in flight ahead of the one in use (each "
-                                 "one more shard of memory)"),
+                                 "one more shard of memory; stages' shards with tsp_head_groups_per_call > 1)"),
     "tsp_head_groups_per_call": Arg(int, 0, "TSP attention: head groups attended side by side, with one K/V gather "
                                             "and one kernel call per block (a divisor of tsp_size; 0: on a GPU the "
                                             "fewest that fill it at this sequence length, 1 on the CPU)"),
