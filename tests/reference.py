@@ -153,3 +153,31 @@ def kernel_calls(blocks_, varlen: bool):
     runs = [run for indices in kernels._by_sample(calls).values()
             for run in kernels._varlen_runs(Varlen, [calls[i] for i in indices], torch.empty(0))]
     return len(runs), len(calls) - sum(map(len, runs))
+
+
+class KernelCalls:
+    """Counts calls of an attention kernel's methods (``block_attention._KERNELS[backend]``),
+    by name, while in the ``with`` block; ``calls``: {name: count}."""
+
+    def __init__(self, backend: str = "cpu", names=("forward", "backward")):
+        from megatron_tsp.core import block_attention as kernels
+
+        self.kernel = kernels._KERNELS[backend]
+        self.calls = dict.fromkeys(names, 0)
+
+    def __enter__(self):
+        self._saved = {name: self.kernel.__dict__[name] for name in self.calls}  # static- or classmethods
+        for name in self.calls:
+            setattr(self.kernel, name, staticmethod(self._counted(name, getattr(self.kernel, name))))
+        return self
+
+    def _counted(self, name: str, original):
+        def counted(*args):
+            self.calls[name] += 1
+            return original(*args)
+
+        return counted
+
+    def __exit__(self, *exc):
+        for name, method in self._saved.items():
+            setattr(self.kernel, name, method)

@@ -16,6 +16,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from reference import (
+    KernelCalls,
     SavedBytes,
     assert_within,
     configs,
@@ -372,36 +373,6 @@ def test_block_attention_within_documents_matches_the_masked_softmax(backend, dt
     test_block_attention_matches_softmax_attention(backend, dtype, chunk_ids, window, chunk=8, documents=documents)
 
 
-class KernelCalls:
-    """Counts the block kernels the attention op runs, by direction."""
-
-    def __init__(self):
-        from megatron_tsp.core import block_attention as kernels
-
-        self.kernel = kernels._KERNELS["cpu"]
-        self.calls = {"forward": 0, "backward": 0}
-
-    def _counted(self, name):
-        original = getattr(self.kernel, name)
-
-        def counted(*args):
-            self.calls[name] += 1
-            return original(*args)
-
-        return staticmethod(counted), original
-
-    def __enter__(self):
-        self._saved = {}
-        for name in self.calls:
-            wrapper, self._saved[name] = self._counted(name)
-            setattr(self.kernel, name, wrapper)
-        return self
-
-    def __exit__(self, *exc):
-        for name, original in self._saved.items():
-            setattr(self.kernel, name, staticmethod(original))
-
-
 def _kernel_calls(tsp_size, per_call):
     init_tsp(tsp_size)
     _, tsp, solo = _build(tsp_size, torch.float32, 4, False, False, False)
@@ -606,7 +577,7 @@ def test_flash_attn_backend_with_the_packages_signatures(flash_attn_on_cpu, dtyp
 
 @pytest.mark.parametrize("documents", [[[0, 3, 4, 13, 14, 22], [0, 16]], [[0, 2, 5, 9, 20, 21]] * 2],
                          ids=["per-sample", "shared"])
-def test_a_chunks_documents_are_one_varlen_call(flash_attn_on_cpu, monkeypatch, documents):
+def test_a_chunks_documents_are_one_varlen_call(flash_attn_on_cpu, documents):
     """Where the kernel has a varlen form (flash-attn's ``cu_seqlens``), the square causal
     blocks of a query chunk's document pieces, one after another in queries and keys, are one
     call forward and one backward, per sample or for the micro-batch (the samples one after
@@ -615,25 +586,18 @@ def test_a_chunks_documents_are_one_varlen_call(flash_attn_on_cpu, monkeypatch, 
     from megatron_tsp.core import block_attention as kernels
 
     kernels.check_backend("flash_attn", torch.device("cpu"), torch.float32, windowed=True)  # its calls, not counted
-    calls = {"forward": 0, "forward_varlen": 0, "backward": 0, "backward_varlen": 0}
-    for name in calls:
-        real = getattr(kernels._FlashAttn, name)
-
-        def counted(*args, _real=real, _name=name):
-            calls[_name] += 1
-            return _real(*args)
-        monkeypatch.setattr(kernels._FlashAttn, name, counted)
     chunk_ids = [1, 2]
-    for window in (-1, 5):
-        test_block_attention_matches_softmax_attention("flash_attn", torch.float32, chunk_ids, window, chunk=8,
-                                                       documents=documents)
+    with KernelCalls("flash_attn", ("forward", "forward_varlen", "backward", "backward_varlen")) as counted:
+        for window in (-1, 5):
+            test_block_attention_matches_softmax_attention("flash_attn", torch.float32, chunk_ids, window, chunk=8,
+                                                           documents=documents)
     runs, other, without = 0, 0, 0
     for window in (-1, 5):
         plan = kernels.blocks(chunk_ids, 8, True, window, "flash_attn", documents)
         found, rest = kernel_calls(plan, varlen=True)
         runs, other, without = runs + found, other + rest, without + kernel_calls(plan, varlen=False)[1]
     assert 0 < runs and runs + other < without
-    assert calls == {"forward": other, "forward_varlen": runs, "backward": other, "backward_varlen": runs}
+    assert counted.calls == {"forward": other, "forward_varlen": runs, "backward": other, "backward_varlen": runs}
 
 
 @pytest.mark.parametrize("documents", [[[0, 3, 4, 13, 14, 22, 27], [0, 16, 30]], [[0, 2, 5, 9, 20, 21, 26]] * 2],

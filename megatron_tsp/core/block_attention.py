@@ -941,6 +941,11 @@ def _varlen_runs(kernel, calls: Sequence[_Call], q: torch.Tensor) -> List[List[_
     return [run for run in runs if len(run) > 1]
 
 
+def _span(run: Sequence[_Call]) -> Tuple[int, int, int, int]:
+    """A run's query rows and key rows, each one range (its blocks follow one another)."""
+    return run[0].q0, run[-1].q1, run[0].k0, run[-1].k1
+
+
 def _thd(t: torch.Tensor) -> torch.Tensor:
     """``[b, h, L, d]`` as a varlen kernel's ``[b·L, h, d]`` (the samples one after another)."""
     return t.permute(0, 2, 1, 3).reshape(-1, t.size(1), t.size(3))
@@ -965,7 +970,7 @@ def _varlen_forward(kernel, q, k, v, calls: Sequence[_Call], scale: float) -> Di
     """The outputs and lse of the blocks :func:`_varlen_runs` finds, one kernel call a run."""
     found = {}
     for run in _varlen_runs(kernel, calls, q):
-        q0, q1, k0, k1 = run[0].q0, run[-1].q1, run[0].k0, run[-1].k1
+        q0, q1, k0, k1 = _span(run)
         cu, longest = _cu_seqlens(run, q)
         out, lse = kernel.forward_varlen(_thd(q[:, :, q0:q1]), _thd(k[:, :, k0:k1]), _thd(v[:, :, k0:k1]), cu,
                                          longest, scale)
@@ -977,7 +982,7 @@ def _varlen_forward(kernel, q, k, v, calls: Sequence[_Call], scale: float) -> Di
 
 def _varlen_backward(kernel, dout, q, k, v, out, lse, run: Sequence[_Call], scale: float):
     """A run's backward in one varlen call: dq, dk, dv over its rows and keys, ``[b, h, L, d]``."""
-    q0, q1, k0, k1 = run[0].q0, run[-1].q1, run[0].k0, run[-1].k1
+    q0, q1, k0, k1 = _span(run)
     b = q.size(0)
     cu, longest = _cu_seqlens(run, q)
     grads = kernel.backward_varlen(_thd(dout[:, :, q0:q1]), _thd(q[:, :, q0:q1]), _thd(k[:, :, k0:k1]),
@@ -1084,9 +1089,8 @@ def _backward_of(kernel, dout, q, k, v, out, lse, dq, dk, dv, earlier: List[_Cal
     dq_parts = []
     for c in now:
         if c in runs:
-            run = runs[c]
-            q0, q1, k0, k1 = c.q0, run[-1].q1, c.k0, run[-1].k1
-            g = _varlen_backward(kernel, dout, q, k, v, out, lse, run, scale)
+            q0, q1, k0, k1 = _span(runs[c])
+            g = _varlen_backward(kernel, dout, q, k, v, out, lse, runs[c], scale)
         elif c in in_runs:
             continue
         else:

@@ -48,7 +48,7 @@ from megatron_tsp.env import run_record
 from megatron_tsp.measure import memory
 from megatron_tsp.run import config as cfg
 from megatron_tsp.run.build import initialize, params_dtype, stepper
-from megatron_tsp.run.modes import REFERENCE, SUBJECT, get_mode
+from megatron_tsp.run.modes import REFERENCE, SUBJECT, get_mode, head_groups_setting
 
 SEQS = (8192, 32768, 131072)
 
@@ -233,7 +233,7 @@ def _head_groups_per_call(args, mode: str, device: Device, kernel: str) -> Optio
     None for the others."""
     if not get_mode(mode).tsp_layers or args.tsp_size == 1:
         return None
-    return head_groups_per_call(args.tsp_head_groups_per_call or "auto", args.tsp_size, args.micro_batch_size,
+    return head_groups_per_call(head_groups_setting(args), args.tsp_size, args.micro_batch_size,
                                 args.num_attention_heads // args.tsp_size, args.seq_length // (2 * args.tsp_size),
                                 device.torch, kernel)
 

@@ -14,7 +14,7 @@ against (:data:`REFERENCE` first).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple, Union
 
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
@@ -81,8 +81,7 @@ class Mode:
             return get_gpt_block_tsp_spec(transformer_config, qk_layernorm=args.qk_layernorm,
                                           attention_backend=attention_backend, overlap_comm=self.overlap_comm,
                                           fused_norm=fused_norm, lookahead=args.tsp_lookahead,
-                                          head_groups_per_call=(args.tsp_head_groups_per_call or "auto")
-                                          if args.tsp_size > 1 else "auto")
+                                          head_groups_per_call=head_groups_setting(args))
         if transformer_engine and transformer_engine_version() is not None:
             spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_layernorm)
             return with_ring_mlp(spec, fused_norm, self.overlap_comm) if args.ring_mlp else spec
@@ -145,6 +144,12 @@ REFERENCE = REFERENCES[0]
 def ratio_key(reference: str) -> str:
     """The results key of a step time relative to ``reference`` (``vs_tp_sp``)."""
     return "vs_" + reference.replace("-", "_")
+
+
+def head_groups_setting(args) -> Union[int, str]:
+    """``--tsp-head-groups-per-call`` as TSP's attention takes it (``head_groups_per_call``):
+    ``auto`` for 0, and where it is unread (tsp_size 1)."""
+    return args.tsp_head_groups_per_call if args.tsp_size > 1 and args.tsp_head_groups_per_call else "auto"
 
 
 def get_mode(name: str) -> Mode:

@@ -27,31 +27,18 @@ fake_cuda.install_kernel_contracts()  # after megatron-core's imports, which reg
 def documents_op(case):
     """The attention op on packed documents (each sample its own, and shared) forward and
     backward on fake CUDA tensors: a chunk's document pieces as varlen calls (counted)."""
+    from reference import KernelCalls
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from megatron_tsp.core import block_attention as kernels
 
-    kernel = kernels._KERNELS[case["backend"]]
-    counted = {"forward_varlen": 0, "backward_varlen": 0}
-    own = {name: kernel.__dict__[name] for name in counted}
-    for name in counted:
-        real = getattr(kernel, name)
-
-        def count(*args, _real=real, _name=name):
-            counted[_name] += 1
-            return _real(*args)
-        setattr(kernel, name, count)
-    try:
-        with FakeTensorMode():
-            for documents in ([[0, 3, 4, 13, 14, 22], [0, 16]], [[0, 2, 5, 9, 20, 21]] * 2):
-                q, k, v = (torch.randn(32 if t == "q" else 48, 2, h, 64, device="cuda", dtype=torch.bfloat16,
-                                       requires_grad=True) for t, h in (("q", 4), ("k", 2), ("v", 2)))
-                out = kernels.block_attention(q, k, v, [1, 2], 0.125, case["backend"], documents=documents)
-                torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
-    finally:
-        for name, method in own.items():
-            setattr(kernel, name, method)
-    return counted
+    with KernelCalls(case["backend"], ("forward_varlen", "backward_varlen")) as counted, FakeTensorMode():
+        for documents in ([[0, 3, 4, 13, 14, 22], [0, 16]], [[0, 2, 5, 9, 20, 21]] * 2):
+            q, k, v = (torch.randn(32 if t == "q" else 48, 2, h, 64, device="cuda", dtype=torch.bfloat16,
+                                   requires_grad=True) for t, h in (("q", 4), ("k", 2), ("v", 2)))
+            out = kernels.block_attention(q, k, v, [1, 2], 0.125, case["backend"], documents=documents)
+            torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    return counted.calls
 
 
 def one(case):
