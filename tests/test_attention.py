@@ -450,14 +450,14 @@ def test_the_self_check_sets_aside_a_varlen_form_with_another_lse_layout(flash_a
     monkeypatch.setattr(kernels, "_CHECKED", {})
     monkeypatch.setattr(kernels, "_VARLEN_BROKEN", set())
     cpu = torch.device("cpu")
-    kernels.check_backend("flash_attn", cpu, torch.float32)  # the right one passes
+    kernels.check_backend("flash_attn", cpu, torch.bfloat16)  # the right one passes
     assert not kernels._VARLEN_BROKEN
     monkeypatch.setattr(kernels, "_CHECKED", {})
     monkeypatch.setitem(kernels._KERNELS, "flash_attn", OtherLayout)
     with pytest.warns(UserWarning, match="attention backend 'flash_attn' gives a wrong lse in its varlen form"):
-        kernels.check_backend("flash_attn", cpu, torch.float32)
-    assert kernels._VARLEN_BROKEN == {(OtherLayout, "cpu", torch.float32)}
-    test_block_attention_matches_softmax_attention("flash_attn", torch.float32, [1, 2], chunk=8,
+        kernels.check_backend("flash_attn", cpu, torch.bfloat16)
+    assert kernels._VARLEN_BROKEN == {(OtherLayout, "cpu", torch.bfloat16)}
+    test_block_attention_matches_softmax_attention("flash_attn", torch.bfloat16, [1, 2], chunk=8,
                                                    documents=[[0, 3, 4, 13, 14, 22], [0, 16]])
 
 
@@ -548,20 +548,22 @@ def flash_attn_on_cpu(monkeypatch):
 
     monkeypatch.syspath_prepend(os.path.join(ROOT, "tests", "standins"))
     monkeypatch.setattr(kernels, "GPU_BACKENDS", ("flash", "cudnn", "efficient"))
-    monkeypatch.setattr(kernels, "HALF_ONLY", ())
     kernels._FlashAttn._functions.cache_clear()
     yield
     kernels._FlashAttn._functions.cache_clear()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_flash_attn_backend_with_the_packages_signatures(flash_attn_on_cpu, dtype):
     """flash-attn >= 2.6 hides its signature behind torch.library.custom_op: the backend
     reads the undecorated function's (2.8 needs softcap), and calls one bottom-right causal
-    block per query chunk (no merge)."""
+    block per query chunk (no merge). fp32 is refused in a line, as the package refuses it."""
     from flash_attn.flash_attn_interface import _flash_attn_forward
 
     from megatron_tsp.core import block_attention as kernels
+
+    with pytest.raises(ValueError, match="attention backend 'flash_attn' takes fp16/bf16 only"):
+        kernels.resolve_backend("flash_attn", torch.device("cpu"), torch.float32, planned=True)
 
     assert "softcap" not in str(inspect.signature(_flash_attn_forward))  # the trap
     for chunk_ids in ([0], [1, 2], [2, 5]):
@@ -585,11 +587,11 @@ def test_a_chunks_documents_are_one_varlen_call(flash_attn_on_cpu, documents):
     the masked softmax, and the calls counted."""
     from megatron_tsp.core import block_attention as kernels
 
-    kernels.check_backend("flash_attn", torch.device("cpu"), torch.float32, windowed=True)  # its calls, not counted
+    kernels.check_backend("flash_attn", torch.device("cpu"), torch.bfloat16, windowed=True)  # its calls, not counted
     chunk_ids = [1, 2]
     with KernelCalls("flash_attn", ("forward", "forward_varlen", "backward", "backward_varlen")) as counted:
         for window in (-1, 5):
-            test_block_attention_matches_softmax_attention("flash_attn", torch.float32, chunk_ids, window, chunk=8,
+            test_block_attention_matches_softmax_attention("flash_attn", torch.bfloat16, chunk_ids, window, chunk=8,
                                                            documents=documents)
     runs, other, without = 0, 0, 0
     for window in (-1, 5):
@@ -600,33 +602,40 @@ def test_a_chunks_documents_are_one_varlen_call(flash_attn_on_cpu, documents):
     assert counted.calls == {"forward": other, "forward_varlen": runs, "backward": other, "backward_varlen": runs}
 
 
-@pytest.mark.parametrize("documents", [[[0, 3, 4, 13, 14, 22, 27], [0, 16, 30]], [[0, 2, 5, 9, 20, 21, 26]] * 2],
-                         ids=["per-sample", "shared"])
-def test_tsp_zigzag_document_blocks_as_varlen_calls(flash_attn_on_cpu, documents):
-    """TSP's blocks of packed documents in the zigzag layout (D=2, both ranks; the backward in
-    two calls, the schedule's): with flash-attn's varlen form what the math kernel computes
-    block by block, gradients written into the fp32 dK/dV buffer."""
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("documents", [[[0, 5, 9, 20, 21, 26, 47, 50]],
+                                       [[0, 3, 4, 13, 14, 22, 27, 40, 57], [0, 16, 30]],
+                                       [[0, 2, 5, 9, 20, 21, 26, 44]] * 2], ids=["batch-1", "per-sample", "shared"])
+def test_tsp_zigzag_document_blocks_as_varlen_calls(flash_attn_on_cpu, size, documents):
+    """TSP's blocks of packed documents in the zigzag layout (every rank; the backward in the
+    schedule's two calls) at micro-batch 1 and 2, bf16: flash-attn's varlen form (whose
+    backward reads the lse by pointer as a contiguous ``[h, total_q]``) computes what the
+    math kernel computes block by block, gradients written into the fp32 dK/dV buffer. A
+    rank's two chunks are separate runs, so at micro-batch 1 the lse rows of one are a
+    strided view: handed to the kernel as they were, dq, dK and dV were wrong."""
     from megatron_tsp.core import block_attention as kernels
 
-    chunk = 8
+    chunk, batch = 8, len(documents)
+    documents = [[p for p in starts if p < 2 * size * chunk] for starts in documents]
     g = torch.Generator().manual_seed(0)
-    for rank in (0, 1):
-        forward, (backward, split) = kernels.zigzag_document_blocks(2, rank, chunk, documents)
+    for rank in range(size):
+        forward, (backward, split) = kernels.zigzag_document_blocks(size, rank, chunk, documents)
         assert kernel_calls(forward, varlen=True)[0] > 0
-        q, dout = (torch.randn(2 * chunk, 2, 4, 8, generator=g) for _ in range(2))
-        k, v = (torch.randn(4 * chunk, 2, 2, 8, generator=g) for _ in range(2))
+        q, dout = (torch.randn(2 * chunk, batch, 4, 8, generator=g).bfloat16() for _ in range(2))
+        k, v = (torch.randn(2 * size * chunk, batch, 2, 8, generator=g).bfloat16() for _ in range(2))
         results = []
         for backend in ("math", "flash_attn"):
             out = torch.zeros_like(q)
             lse = kernels.attend_into(q, k, v, forward, 0.3, backend, out)
-            dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+            dq = torch.empty_like(q)
+            dk, dv = (torch.empty_like(t, dtype=torch.float32) for t in (k, v))
             for first, last in ((0, split), (split, len(backward))):
                 if first < last:
                     kernels.attend_backward_into(dout, q, k, v, out, lse, backward, 0.3, backend, dq, dk, dv, first,
                                                  last, zero_untouched=first == 0)
             results.append((out, lse, dq, dk, dv))
         errors = {name: rel_err(a, b) for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), *results)}
-        assert_within([[(rank, errors)]], torch.float32)
+        assert_within([[(rank, errors)]], torch.bfloat16)
 
 
 def test_backward_in_calls_writes_what_one_call_writes():

@@ -981,13 +981,16 @@ def _varlen_forward(kernel, q, k, v, calls: Sequence[_Call], scale: float) -> Di
 
 
 def _varlen_backward(kernel, dout, q, k, v, out, lse, run: Sequence[_Call], scale: float):
-    """A run's backward in one varlen call: dq, dk, dv over its rows and keys, ``[b, h, L, d]``."""
+    """A run's backward in one varlen call: dq, dk, dv over its rows and keys, ``[b, h, L, d]``.
+    The kernels read the lse by pointer as a contiguous ``[h, b·L]`` and check no strides: a
+    run of part of the rows (a zigzag rank's chunk) at micro-batch 1 is a strided view, copied."""
     q0, q1, k0, k1 = _span(run)
     b = q.size(0)
     cu, longest = _cu_seqlens(run, q)
     grads = kernel.backward_varlen(_thd(dout[:, :, q0:q1]), _thd(q[:, :, q0:q1]), _thd(k[:, :, k0:k1]),
                                    _thd(v[:, :, k0:k1]), _thd(out[:, :, q0:q1]),
-                                   lse[:, :, q0:q1].transpose(0, 1).reshape(lse.size(1), -1), cu, longest, scale)
+                                   lse[:, :, q0:q1].transpose(0, 1).reshape(lse.size(1), -1).contiguous(), cu,
+                                   longest, scale)
     return tuple(_bhsd_of(g, b) for g in grads[:3])
 
 
