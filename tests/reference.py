@@ -138,6 +138,12 @@ def init_tsp(tsp_size: int, **kwargs) -> None:
     model_parallel_cuda_manual_seed(1234)
 
 
+# packed documents' starts in samples of 48 tokens: the baselines' op at micro-batch 2 (each
+# sample its own, and shared); TSP's zigzag of 64 tokens at D=2, micro-batch 1 and 2
+DOCUMENTS = ([[0, 3, 4, 13, 14, 22], [0, 16]], [[0, 2, 5, 9, 20, 21]] * 2)
+TSP_DOCUMENTS = ([[0, 3, 4, 13, 14, 22, 40, 57]], [[0, 3, 4, 13, 14, 22, 40, 57], [0, 16, 30, 47]])
+
+
 def kernel_calls(blocks_, varlen: bool):
     """(varlen calls, other calls) the attention op makes each way for ``blocks_``, on a kernel
     with a varlen form (``varlen``) or without."""

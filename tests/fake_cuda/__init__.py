@@ -132,41 +132,83 @@ def _bshd(t) -> bool:
 
 
 def install_kernel_contracts() -> None:
-    """Wrap torch's GPU attention kernels with what their CUDA implementations assume of
-    their inputs and their meta functions do not check (docs/design.md section 5): the
-    log-sum-exp each backward reads, in the shape its forward wrote it, and the memory layout
-    of ``out``/``grad_out`` (the memory-efficient backward reads them as ``[b, s, h, d]``
-    tensors; cuDNN's wants both with the same strides)."""
+    """Wrap torch's GPU attention kernels with what their CUDA implementations check or
+    assume of their inputs and their meta functions do not check (docs/design.md section 5;
+    ``tests/standins/kernel_contract.py``): fp16/bf16 and a head dimension the kernel takes;
+    int32 ``cu_seqlens``; the log-sum-exp each backward reads by pointer, in the shape its
+    forward wrote it and contiguous (a fake tensor cannot give the wrong numbers a strided
+    one gives on a GPU, so it fails); the memory layout of ``out``/``grad_out`` (the
+    memory-efficient backward reads them as ``[b, s, h, d]`` tensors; cuDNN's wants both
+    with the same strides); ROCm's flash backward (AOTriton) refuses a non-square causal block."""
+    import kernel_contract as contract
     import torch
 
     aten = torch.ops.aten
     version = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
 
-    def expect(ok, kernel, what):
-        if not ok:
-            raise RuntimeError(f"{kernel}: {what}")
+    def flash_inputs(kernel, q, k, v):
+        contract.half(kernel, q=q, k=k, v=v)
+        contract.head_dim(kernel, q.size(-1))
+
+    def lse_read(kernel, lse, want):
+        contract.require(lse.dtype == torch.float32, kernel, f"lse must be fp32, got {lse.dtype}")
+        contract.shape(kernel, "lse", lse, want)
+        contract.as_read(lse, kernel, "lse")
+
+    def aotriton(kernel, causal, sq, sk):
+        contract.require(not (torch.version.hip and causal and sq != sk), kernel + " (AOTriton)",
+                         "For backwards kernel seqlen_q must equal seqlen_k for causal kernels")
+
+    def flash(q, k, v, *args, **kwargs):  # [b, h, s, d]
+        flash_inputs("flash", q, k, v)
+        return flash.original(q, k, v, *args, **kwargs)
 
     def flash_backward(grad_out, q, k, v, out, lse, *args, **kwargs):
-        expect(tuple(lse.shape) == (q.size(0), q.size(1), q.size(2)), "flash backward", f"lse {tuple(lse.shape)}")
-        # ROCm's flash kernel, AOTriton (pytorch aten/src/ATen/native/transformers/hip/flash_attn/aot/mha_all_aot.hip)
-        causal = kwargs.get("is_causal", args[5] if len(args) > 5 else False)
-        expect(not (torch.version.hip and causal and q.size(2) != k.size(2)), "flash backward (AOTriton)",
-               "For backwards kernel seqlen_q must equal seqlen_k for causal kernels")
+        flash_inputs("flash backward", q, k, v)
+        contract.half("flash backward", q=q, grad_out=grad_out, out=out)
+        lse_read("flash backward", lse, (q.size(0), q.size(1), q.size(2)))
+        aotriton("flash backward", kwargs.get("is_causal", args[5] if len(args) > 5 else False), q.size(2), k.size(2))
         return flash_backward.original(grad_out, q, k, v, out, lse, *args, **kwargs)
+
+    def flash_varlen(q, k, v, cum_seq_q, cum_seq_k, *args, **kwargs):  # [b, s, h, d], or [total, h, d]
+        flash_inputs("flash (cum_seq)", q, k, v)
+        if cum_seq_q is not None:
+            contract.cu_seqlens("flash (cum_seq)", cum_seq_q=cum_seq_q, cum_seq_k=cum_seq_k)
+        return flash_varlen.original(q, k, v, cum_seq_q, cum_seq_k, *args, **kwargs)
+
+    def flash_varlen_backward(grad_out, q, k, v, out, lse, cum_seq_q, cum_seq_k, *args, **kwargs):
+        kernel = "flash backward (cum_seq)"
+        flash_inputs(kernel, q, k, v)
+        contract.half(kernel, q=q, grad_out=grad_out, out=out)
+        if cum_seq_q is None:  # [b, s, h, d]: lse [b, h, sq]
+            lse_read(kernel, lse, (q.size(0), q.size(2), q.size(1)))
+        else:  # [total, h, d]: lse [h, total_q]
+            contract.cu_seqlens(kernel, cum_seq_q=cum_seq_q, cum_seq_k=cum_seq_k)
+            lse_read(kernel, lse, (q.size(1), q.size(0)))
+        return flash_varlen_backward.original(grad_out, q, k, v, out, lse, cum_seq_q, cum_seq_k, *args, **kwargs)
+
+    def cudnn(q, k, v, *args, **kwargs):
+        contract.half("cuDNN", q=q, k=k, v=v)
+        contract.head_dim("cuDNN", q.size(-1), most=128 if version < (2, 5) else 256)
+        return cudnn.original(q, k, v, *args, **kwargs)
 
     def cudnn_backward(grad_out, q, k, v, out, lse, *args, **kwargs):
         want = (q.size(0), q.size(1), q.size(2)) + ((1,) if version >= (2, 9) else ())
-        expect(tuple(lse.shape) == want, "cuDNN backward", f"lse {tuple(lse.shape)}, wants {want}")
-        expect(grad_out.stride() == out.stride(), "cuDNN backward", "grad_out and out strides differ")
+        lse_read("cuDNN backward", lse, want)
+        contract.require(grad_out.stride() == out.stride(), "cuDNN backward", "grad_out and out strides differ")
         return cudnn_backward.original(grad_out, q, k, v, out, lse, *args, **kwargs)
 
     def efficient_backward(grad_out, q, k, v, bias, out, lse, *args, **kwargs):
-        want = (q.size(0), q.size(1), -(-q.size(2) // 32) * 32)
-        expect(tuple(lse.shape) == want, "efficient backward", f"lse {tuple(lse.shape)}, wants {want}")
-        expect(_bshd(out) and _bshd(grad_out), "efficient backward", "out/grad_out not in [b, s, h, d] memory")
+        lse_read("efficient backward", lse, (q.size(0), q.size(1), -(-q.size(2) // 32) * 32))
+        contract.require(_bshd(out) and _bshd(grad_out), "efficient backward",
+                         "out/grad_out not in [b, s, h, d] memory")
         return efficient_backward.original(grad_out, q, k, v, bias, out, lse, *args, **kwargs)
 
-    for name, check in (("_scaled_dot_product_flash_attention_backward", flash_backward),
+    for name, check in (("_scaled_dot_product_flash_attention", flash),
+                        ("_scaled_dot_product_flash_attention_backward", flash_backward),
+                        ("_flash_attention_forward", flash_varlen),
+                        ("_flash_attention_backward", flash_varlen_backward),
+                        ("_scaled_dot_product_cudnn_attention", cudnn),
                         ("_scaled_dot_product_cudnn_attention_backward", cudnn_backward),
                         ("_scaled_dot_product_efficient_attention_backward", efficient_backward)):
         check.original = getattr(aten, name)

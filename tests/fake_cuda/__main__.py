@@ -25,19 +25,35 @@ fake_cuda.install_kernel_contracts()  # after megatron-core's imports, which reg
 
 
 def documents_op(case):
-    """The attention op on packed documents (each sample its own, and shared) forward and
-    backward on fake CUDA tensors: a chunk's document pieces as varlen calls (counted)."""
-    from reference import KernelCalls
+    """The attention op on packed documents forward and backward on fake CUDA tensors: the
+    baselines' op at micro-batch 2 (each sample its own documents, and shared), and TSP's
+    zigzag blocks of every rank of D=2 at micro-batch 1 and 2 through attend_into and the
+    backward in the schedule's two calls (a rank's chunks are separate runs, whose lse rows
+    are strided views at micro-batch 1); a chunk's document pieces as varlen calls (counted)."""
+    from reference import DOCUMENTS, TSP_DOCUMENTS, KernelCalls
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from megatron_tsp.core import block_attention as kernels
 
+    def tensors(*shapes):
+        return [torch.randn(*shape, device="cuda", dtype=torch.bfloat16) for shape in shapes]
+
     with KernelCalls(case["backend"], ("forward_varlen", "backward_varlen")) as counted, FakeTensorMode():
-        for documents in ([[0, 3, 4, 13, 14, 22], [0, 16]], [[0, 2, 5, 9, 20, 21]] * 2):
-            q, k, v = (torch.randn(32 if t == "q" else 48, 2, h, 64, device="cuda", dtype=torch.bfloat16,
-                                   requires_grad=True) for t, h in (("q", 4), ("k", 2), ("v", 2)))
+        for documents in DOCUMENTS:
+            q, k, v = (t.requires_grad_() for t in tensors((32, 2, 4, 64), (48, 2, 2, 64), (48, 2, 2, 64)))
             out = kernels.block_attention(q, k, v, [1, 2], 0.125, case["backend"], documents=documents)
             torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+        for documents in TSP_DOCUMENTS:
+            for rank in (0, 1):
+                forward, (backward, split) = kernels.zigzag_document_blocks(2, rank, 16, documents)
+                b = len(documents)
+                q, dout, k, v = tensors((32, b, 4, 64), (32, b, 4, 64), (64, b, 2, 64), (64, b, 2, 64))
+                out = torch.empty_like(q)
+                lse = kernels.attend_into(q, k, v, forward, 0.125, case["backend"], out)
+                dq, dk, dv = torch.empty_like(q), k.float(), v.float()
+                for first, last in ((0, split), (split, len(backward))) if split else ((0, len(backward)),):
+                    kernels.attend_backward_into(dout, q, k, v, out, lse, backward, 0.125, case["backend"], dq, dk,
+                                                 dv, first, last, zero_untouched=first == 0)
     return counted.calls
 
 
