@@ -16,7 +16,11 @@ TSP rides on Megatron-LM's tensor-parallel slot (docs/design.md section 6):
   :func:`vocab_forward_step` its ``forward_step``, which puts the vocabulary ends in the
   layout ``--tsp-vocab`` chooses;
 * the TSP groups are registered before the model is built (:func:`model_provider` on
-  0.16, the ``--spec`` object itself on 0.19).
+  0.16, the ``--spec`` object itself on 0.19);
+* :func:`prepare_launch` gives the ranks the mode's ``CUDA_DEVICE_MAX_CONNECTIONS`` where
+  the user set none (:func:`launch_environment`), and under ``--tsp-size`` Megatron-LM's
+  check that it is 1 for tensor parallelism is not applied to TSP's layers
+  (:data:`TSP_CONNECTIONS`).
 
 ``scripts/pretrain_gpt_tsp.py`` runs all of it with Megatron-LM's own ``pretrain``;
 ``patches/<tag>/pretrain_gpt_tsp.patch`` wires the same calls into a fork's ``pretrain_gpt.py``;
@@ -26,8 +30,10 @@ stock or a patched ``pretrain_gpt.py``) on this machine's device, the CPU includ
 
 from __future__ import annotations
 
-from functools import wraps
-from typing import List, Optional
+import os
+from functools import lru_cache, wraps
+from types import SimpleNamespace
+from typing import Dict, List, MutableMapping, Optional
 
 from megatron_tsp import versions
 from megatron_tsp.core import vocab
@@ -38,6 +44,8 @@ from megatron_tsp.core.spec import get_gpt_block_tsp_spec, get_gpt_layer_tsp_spe
 from megatron_tsp.core.support import RULES, require, violations
 from megatron_tsp.core.zigzag import zigzag_batch
 from megatron_tsp.env import transformer_engine_version
+from megatron_tsp.run import modes
+from megatron_tsp.run.compat import Rewrite
 
 
 def _register_groups() -> None:
@@ -130,6 +138,51 @@ def _ring_argv(argv: List[str]) -> List[str]:
     if _value(argv, "--transformer-impl") == "local":
         spec += "_local"
     return list(argv) + ["--spec", "megatron_tsp.megatron_lm", spec]
+
+
+# Megatron-LM asserts CUDA_DEVICE_MAX_CONNECTIONS=1 for tensor parallelism below compute
+# capability 10, so that each of its TP collectives is queued ahead of the GEMM it overlaps.
+# Under --tsp-size the tensor-parallel slot holds TSP's layers, which run none of those
+# collectives: their weight and K/V transfers run on streams of their own beside the compute
+# stream, which one hardware queue would serialise (modes.Mode.device_max_connections).
+TSP_CONNECTIONS = Rewrite(
+    "megatron.training.arguments", "validate_args",
+    (("assert os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS') == \"1\"",
+      "assert args.tsp_size > 1 or os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS') == \"1\""),),
+    "training/arguments.py:951 (0.19: 1437)")
+
+
+def launch_environment(argv: List[str], environ: MutableMapping[str, str] = os.environ) -> Dict[str, str]:
+    """Set what a rank of the job ``argv`` describes needs before CUDA starts, where the user
+    set nothing (returns what it set): the mode's ``CUDA_DEVICE_MAX_CONNECTIONS`` (1 for
+    tensor and context parallelism, CUDA's default for TSP's streams). Megatron-FSDP and torch
+    FSDP2 want it above 1 or unset (Megatron-LM asserts that): left as it is."""
+    layout = SimpleNamespace(tsp_size=_int(argv, "--tsp-size", 1),
+                             tensor_model_parallel_size=_int(argv, "--tensor-model-parallel-size", 1),
+                             context_parallel_size=_int(argv, "--context-parallel-size", 1),
+                             sequence_parallel=_present(argv, "--sequence-parallel"),
+                             ring_mlp=_present(argv, "--ring-mlp"))
+    parallel = max(layout.tsp_size, layout.tensor_model_parallel_size, layout.context_parallel_size) > 1
+    fsdp = _present(argv, "--use-megatron-fsdp") or _present(argv, "--use-torch-fsdp2")
+    connections = modes.of(layout).device_max_connections
+    if not parallel or fsdp or connections is None or "CUDA_DEVICE_MAX_CONNECTIONS" in environ:
+        return {}
+    environ["CUDA_DEVICE_MAX_CONNECTIONS"] = connections
+    return {"CUDA_DEVICE_MAX_CONNECTIONS": connections}
+
+
+def prepare_launch(argv: List[str]) -> None:
+    """What a rank of the job ``argv`` (before :func:`translate_argv`) needs before Megatron-LM
+    starts: its :func:`launch_environment`, and under ``--tsp-size`` :data:`TSP_CONNECTIONS`
+    (Megatron-LM's checkout on ``sys.path``)."""
+    launch_environment(argv)
+    if _int(argv, "--tsp-size", 1) > 1:
+        _exempt_tsp_from_the_connections_check()
+
+
+@lru_cache(maxsize=None)
+def _exempt_tsp_from_the_connections_check() -> None:
+    TSP_CONNECTIONS.apply()
 
 
 def translate_argv(argv: List[str]) -> List[str]:

@@ -68,6 +68,9 @@ def run_script(argv: List[str]) -> None:
     put_checkout_on_path(checkout, os.path.basename(script))
     if here != checkout:
         sys.path.insert(0, here)
+    from megatron_tsp.megatron_lm import launch_environment
+
+    launch_environment(argv)
     prepare_device()
     sys.argv = [script] + argv[1:]
     runpy.run_path(script, run_name="__main__")

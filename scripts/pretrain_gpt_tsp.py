@@ -18,8 +18,9 @@ from megatron_tsp.megatron_lm_run import prepare_device, put_checkout_on_path
 
 if __name__ == "__main__":
     put_checkout_on_path(os.environ.get("MEGATRON_LM_PATH", os.getcwd()), "pretrain_gpt_tsp.py")
-    prepare_device()
     from megatron_tsp import megatron_lm
 
+    megatron_lm.prepare_launch(sys.argv)  # before CUDA starts
     sys.argv = megatron_lm.translate_argv(sys.argv)
+    prepare_device()
     megatron_lm.main()

@@ -456,7 +456,7 @@ def test_the_self_check_sets_aside_a_varlen_form_with_another_lse_layout(flash_a
     monkeypatch.setitem(kernels._KERNELS, "flash_attn", OtherLayout)
     with pytest.warns(UserWarning, match="attention backend 'flash_attn' gives a wrong lse in its varlen form"):
         kernels.check_backend("flash_attn", cpu, torch.bfloat16)
-    assert kernels._VARLEN_BROKEN == {(OtherLayout, "cpu", torch.bfloat16)}
+    assert kernels._VARLEN_BROKEN == {(OtherLayout, "cpu", torch.bfloat16, 64)}
     test_block_attention_matches_softmax_attention("flash_attn", torch.bfloat16, [1, 2], chunk=8,
                                                    documents=[[0, 3, 4, 13, 14, 22], [0, 16]])
 
@@ -528,17 +528,70 @@ def test_auto_takes_cudnn_for_long_sequences_where_it_runs(monkeypatch):
     monkeypatch.setattr(kernels, "_CUDNN_RUNS", {})
     tried = []
 
-    def refuses(backend, device, dtype):
-        tried.append(backend)
+    def refuses(backend, device, dtype, windowed=False, head_dim=64):
+        tried.append((backend, head_dim))
         raise RuntimeError("No available kernel. Aborting execution.")
 
     monkeypatch.setattr(kernels, "check_backend", refuses)
     assert kernels.resolve_backend("auto", cuda, bf16, keys=long) == "flash"
     assert kernels.resolve_backend("auto", cuda, bf16, keys=long) == "flash"
-    assert tried == ["cudnn"]
+    assert tried == [("cudnn", 64)]
     monkeypatch.setattr(kernels, "_CUDNN_RUNS", {})
-    monkeypatch.setattr(kernels, "check_backend", lambda *args: None)
+    monkeypatch.setattr(kernels, "check_backend", lambda *args, **kwargs: None)
     assert kernels.resolve_backend("auto", cuda, bf16, keys=long) == "cudnn"
+
+
+def test_cudnn_is_checked_at_the_models_head_dim_and_dtype(monkeypatch):
+    """A cuDNN that takes head dim 64 may refuse 256, or fp16, in the middle of a step: auto's
+    check runs at the model's head dim and dtype, is remembered by them, and where cuDNN
+    refuses auto takes flash. Packed documents take flash's varlen form at any length (cuDNN
+    has none here: a call per document piece, a cuDNN graph per new shape)."""
+    from megatron_tsp.core import block_attention as kernels
+
+    cpu, cuda, bf16, fp16 = torch.device("cpu"), torch.device("cuda"), torch.bfloat16, torch.float16
+    long = kernels.AUTO_CUDNN_FROM_KEYS
+    monkeypatch.setattr(kernels, "_CUDNN_RUNS", {})
+    tried = []
+
+    def up_to_128_in_bf16(backend, device, dtype, windowed=False, head_dim=64):
+        tried.append((dtype, head_dim))
+        if head_dim > 128 or dtype != bf16:
+            raise RuntimeError("cuDNN Frontend error: No valid execution plans built.")
+
+    monkeypatch.setattr(kernels, "check_backend", up_to_128_in_bf16)
+    for _ in range(2):
+        assert kernels.resolve_backend("auto", cuda, bf16, keys=long, head_dim=128) == "cudnn"
+        assert kernels.resolve_backend("auto", cuda, bf16, keys=long, head_dim=256) == "flash"
+        assert kernels.resolve_backend("auto", cuda, fp16, keys=long, head_dim=128) == "flash"
+    assert tried == [(bf16, 128), (bf16, 256), (fp16, 128)]  # each once
+    assert kernels.resolve_backend("auto", cuda, bf16, keys=long, head_dim=128, documents=True) == "flash"
+    assert kernels.resolve_backend("gpu", cpu, bf16, planned=True, keys=long, documents=True) == "flash"
+
+
+def test_a_kernels_alignment_is_learned_before_its_first_blocks(monkeypatch):
+    """Whether a kernel aligns a causal mask bottom-right is learned by its first check; the
+    blocks were chosen before it ran, so step 1 ran a full and a causal block per chunk and
+    later steps one (with full recompute, step 1's recomputed forward differed from its own
+    forward). The first call's blocks are now those of every later call."""
+    from megatron_tsp.core import block_attention as kernels
+
+    class Unknown(kernels._Math):  # a bottom-right kernel whose alignment is not declared
+        bottom_right = None
+
+    monkeypatch.setattr(kernels, "_CHECKED", {})
+    monkeypatch.setitem(kernels._KERNELS, "cudnn", Unknown)
+    monkeypatch.setattr(kernels, "GPU_BACKENDS", ("flash", "efficient", "flash_attn"))  # 'cudnn' on CPU tensors
+    monkeypatch.setattr(kernels, "HALF_ONLY", ())
+    asked = []
+    blocks = kernels.blocks
+    monkeypatch.setattr(kernels, "blocks", lambda chunk_ids, chunk, aligned, *rest: asked.append(aligned) or
+                        blocks(chunk_ids, chunk, aligned, *rest))
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(16, 2, 4, 8, generator=g), torch.randn(24, 2, 2, 8, generator=g), torch.randn(
+        24, 2, 2, 8, generator=g)
+    for _ in range(2):
+        kernels.block_attention(q, k, v, [1, 2], 0.3, "cudnn")
+    assert asked == [True, True]
 
 
 @pytest.fixture

@@ -267,6 +267,50 @@ def test_rendered_configs_parse_with_megatron_lm(model, name):
         assert tsp == "1" and spec == "None"
 
 
+CONNECTIONS = r"""
+import json, os, sys
+from megatron_tsp import megatron_lm
+from megatron_tsp.run.compat_megatron_lm import enable_megatron_lm_cpu_support
+enable_megatron_lm_cpu_support()
+import megatron.training.arguments as arguments
+arguments.get_device_arch_version = lambda: 9  # Hopper: Megatron-LM checks the connections below 10
+results, cases, model = [], json.loads(sys.argv[1]), json.loads(sys.argv[2])
+for flags, user in cases:
+    os.environ.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)
+    os.environ.update({"CUDA_DEVICE_MAX_CONNECTIONS": user} if user else {})
+    argv = ["pretrain_gpt_tsp.py", *model, *flags]
+    megatron_lm.prepare_launch(argv)
+    sys.argv = megatron_lm.translate_argv(argv)
+    try:
+        arguments.validate_args(arguments.parse_args(extra_args_provider=megatron_lm.add_tsp_args), {})
+        results.append([os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"), None])
+    except AssertionError as exc:
+        results.append([os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"), str(exc)])
+print(json.dumps(results))
+"""
+
+
+def test_the_entry_passes_megatron_lms_checks_on_hopper():
+    """Megatron-LM asserts CUDA_DEVICE_MAX_CONNECTIONS=1 for TP > 1 below compute capability
+    10 (A100, H100, H200; MI300X reports 9): the entry gives TP+SP ranks 1 where the user set
+    nothing; TSP's ranks keep CUDA's default (their transfers run on streams of their own) and
+    pass the check, which is for layers TSP does not run; a user's 8 under TP+SP still fails it."""
+    import json
+
+    cases = [(["--tsp-size", "2"], None), (TP_SP, None), (["--tsp-size", "2"], "8"), (TP_SP, "8")]
+    env = dict(os.environ, PYTHONPATH=MEGATRON_LM + os.pathsep + os.environ.get("PYTHONPATH", ""), WORLD_SIZE="2",
+               RANK="0")
+    out = subprocess.run([sys.executable, "-c", CONNECTIONS, json.dumps(cases), json.dumps(MODEL)], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (tsp, tsp_error), (tp, tp_error), (tsp_user, tsp_user_error), (tp_user, tp_user_error) = \
+        json.loads(out.stdout.strip().splitlines()[-1])
+    assert (tsp, tsp_error) == (None, None)
+    assert (tp, tp_error) == ("1", None)
+    assert (tsp_user, tsp_user_error) == ("8", None)
+    assert tp_user == "8" and "CUDA_DEVICE_MAX_CONNECTIONS to 1" in tp_user_error
+
+
 DOCUMENTS = ["--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"]
 
 

@@ -46,8 +46,7 @@ from megatron_tsp.core.block_attention import (
     attend_backward_into,
     attend_into,
     bhsd,
-    bottom_right,
-    resolve_backend,
+    prepare_backend,
     sink_grad,
     validate_backend,
     window_of,
@@ -275,9 +274,9 @@ class TSPSelfAttention(SelfAttention):
             indices = self.zigzag_indices.get(seq_len, d_size, rank, hidden_states.device)
             freqs = rotary_pos_emb[indices.local_positions]
         chunk = hidden_states.size(0) // 2 if d_size > 1 else hidden_states.size(0)
-        backend = resolve_backend(self.attention_backend, hidden_states.device, hidden_states.dtype,
-                                  planned=is_fake(hidden_states), keys=seq_len, windowed=self.window >= 0)
-        aligned = bottom_right(backend, hidden_states.device, hidden_states.dtype, planned=is_fake(hidden_states))
+        backend, aligned = prepare_backend(self.attention_backend, hidden_states.device, hidden_states.dtype,
+                                           is_fake(hidden_states), seq_len, self.window >= 0, documents is not None,
+                                           self.hidden_size_per_attention_head)
         if d_size == 1:
             blocks = global_blocks([0], chunk, aligned, self.window, backend, documents)
             backward_blocks = (blocks, len(blocks))

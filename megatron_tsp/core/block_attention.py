@@ -749,18 +749,22 @@ def validate_backend(name: str) -> str:
 
 
 def resolve_backend(name: str, device: torch.device, dtype: torch.dtype, planned: bool = False,
-                    keys: Optional[int] = None, windowed: bool = False) -> str:
+                    keys: Optional[int] = None, windowed: bool = False, documents: bool = False,
+                    head_dim: int = 64) -> str:
     """The kernel a backend name means on ``device`` for ``dtype`` (``auto``: the fastest
     there is, for attention over ``keys`` keys where given; ``gpu``: what ``auto`` picks on a
     GPU), or a one-line ValueError when the kernel cannot run there. ``planned``: the tensors
     are fake (the memory planner), and a GPU kernel's meta function runs on any device.
-    ``windowed``: the layer has a sliding window.
+    ``windowed``: the layer has a sliding window; ``documents``: packed documents;
+    ``head_dim``: the model's, at which a real GPU's cuDNN is checked.
 
     ``auto`` on a GPU in fp16/bf16 is cuDNN's attention from :data:`AUTO_CUDNN_FROM_KEYS` keys
-    on where it runs here (NVIDIA, and the first use's check passes), else flash; fp32 is the
-    memory-efficient kernel. A window layer takes flash (fp16/bf16) or math (fp32): the
-    others have no window. Every mode resolves the same name at the same sequence length to
-    the same kernel."""
+    on where it runs here (NVIDIA, and its check at this head dim and dtype passes), else
+    flash; fp32 is the memory-efficient kernel. A window layer takes flash (fp16/bf16) or math
+    (fp32): the others have no window. Packed documents take flash, whose varlen form makes a
+    chunk's document pieces one call (cuDNN has none here: a call per piece, whose shapes
+    change every micro-batch, and a cuDNN graph built for each new shape). Every mode resolves
+    the same name at the same sequence length to the same kernel."""
     gpu = device.type == "cuda" or planned
     if name == "gpu" and not gpu:
         raise ValueError("attention backend 'gpu' plans a GPU's kernels, on fake tensors only (the memory planner); "
@@ -773,8 +777,8 @@ def resolve_backend(name: str, device: torch.device, dtype: torch.dtype, planned
     if name in ("auto", "gpu"):
         if dtype not in (torch.float16, torch.bfloat16):
             return "math" if windowed else "efficient"
-        long = keys is not None and keys >= AUTO_CUDNN_FROM_KEYS and not windowed
-        return "cudnn" if long and _cudnn_runs(device, dtype, planned) else "flash"
+        long = keys is not None and keys >= AUTO_CUDNN_FROM_KEYS and not windowed and not documents
+        return "cudnn" if long and _cudnn_runs(device, dtype, planned, head_dim) else "flash"
     if name in GPU_BACKENDS and not gpu:
         raise ValueError(f"attention backend {name!r} runs on CUDA/ROCm GPUs only (tensors on {device.type}); "
                          "use 'auto'")
@@ -785,29 +789,31 @@ def resolve_backend(name: str, device: torch.device, dtype: torch.dtype, planned
     return name
 
 
-_CUDNN_RUNS: Dict[Tuple[str, torch.dtype], bool] = {}
+_CUDNN_RUNS: Dict[Tuple[str, torch.dtype, int], bool] = {}
 
 
-def _cudnn_runs(device: torch.device, dtype: torch.dtype, planned: bool) -> bool:
+def _cudnn_runs(device: torch.device, dtype: torch.dtype, planned: bool, head_dim: int) -> bool:
     """Whether ``auto`` may take cuDNN's attention: never on ROCm (torch has none there); on
-    fake tensors as on an NVIDIA GPU; on a real one when its check passes (an older GPU or
-    cuDNN raises there, and ``auto`` takes flash)."""
+    fake tensors as on an NVIDIA GPU; on a real one when its check at this head dim and dtype
+    passes (a head dim, dtype, GPU or cuDNN it does not take raises there, and ``auto`` takes
+    flash)."""
     if getattr(torch.version, "hip", None):
         return False
     if planned:
         return True
-    key = (device.type, dtype)
+    key = (device.type, dtype, head_dim)
     if key not in _CUDNN_RUNS:
         try:
-            check_backend("cudnn", device, dtype)
+            check_backend("cudnn", device, dtype, head_dim=head_dim)
             _CUDNN_RUNS[key] = True
         except RuntimeError:
             _CUDNN_RUNS[key] = False
     return _CUDNN_RUNS[key]
 
 
-_CHECKED: Dict[Tuple[str, str, torch.dtype], bool] = {}  # (backend, device type, dtype) -> bottom_right
-_WINDOW_CHECKED: set = set()  # (backend, device type, dtype) whose window blocks were checked
+# (backend, device type, dtype, head dim) -> bottom_right, of the checked ones
+_CHECKED: Dict[Tuple[str, str, torch.dtype, int], bool] = {}
+_WINDOW_CHECKED: set = set()  # (backend, device type, dtype, head dim) whose window blocks were checked
 # How torch's GPU kernels align a causal mask when sq < sk, on CUDA: its flash kernel is
 # FlashAttention-2 (bottom-right since 2.1); the memory-efficient and cuDNN kernels take
 # ``is_causal`` top-left. What the memory planner's fake tensors assume; a real device checks.
@@ -822,14 +828,29 @@ def bottom_right(backend: str, device: torch.device, dtype: torch.dtype, planned
     known = _KERNELS[backend].bottom_right
     if known is not None:
         return known
-    if (backend, device.type, dtype) in _CHECKED:
-        return _CHECKED[(backend, device.type, dtype)]
+    found = [aligned for (b, kind, d, _), aligned in _CHECKED.items() if (b, kind, d) == (backend, device.type, dtype)]
+    if found:
+        return found[0]
     return planned and _ON_A_GPU.get(backend, False) and not getattr(torch.version, "hip", None)
 
 
-def check_backend(backend: str, device: torch.device, dtype: torch.dtype, windowed: bool = False) -> None:
-    """Once per (backend, device type, dtype): a small GQA problem with micro-batch 2 in the
-    real layout (``[s, b, h, d]`` memory seen as ``[b, h, s, d]``), forward and backward with
+def prepare_backend(name: str, device: torch.device, dtype: torch.dtype, planned: bool, keys: int,
+                    windowed: bool, documents: bool, head_dim: int) -> Tuple[str, bool]:
+    """A layer's kernel (:func:`resolve_backend`), checked on a real device before anything
+    asks how it aligns a causal mask (:func:`check_backend`), and that alignment
+    (:func:`bottom_right`): the blocks of the first step are those of every later one."""
+    backend = resolve_backend(name, device, dtype, planned=planned, keys=keys, windowed=windowed,
+                              documents=documents, head_dim=head_dim)
+    if not planned:
+        check_backend(backend, device, dtype, windowed, head_dim)
+    return backend, bottom_right(backend, device, dtype, planned=planned)
+
+
+def check_backend(backend: str, device: torch.device, dtype: torch.dtype, windowed: bool = False,
+                  head_dim: int = 64) -> None:
+    """Once per (backend, device type, dtype, head dim): a small GQA problem with micro-batch 2
+    at the model's head dim in the real layout (``[s, b, h, d]`` memory seen as ``[b, h, s,
+    d]``), forward and backward with
     the lse handed back, for a square causal, a full and (where the kernel may align it
     bottom-right) a non-square causal block, against ``math``; the first time a sliding
     window (``windowed``) runs there, also a window's blocks (a causal one, a square and a
@@ -837,13 +858,13 @@ def check_backend(backend: str, device: torch.device, dtype: torch.dtype, window
     documents a sample in one call, which is not used where it disagrees (a warning; the
     blocks are exact without it). Records the alignment; a one-line RuntimeError if the
     kernel's conventions are not the ones assumed here."""
-    key = (backend, device.type, dtype)
+    key = (backend, device.type, dtype, head_dim)
     if backend in ("math", "cpu") or (key in _CHECKED and (not windowed or key in _WINDOW_CHECKED)):
         return
     g = torch.Generator(device="cpu").manual_seed(0)
 
     def tensor(s, h):  # [s, b, h, d] in memory, [b, h, s, d] as the op hands it to a kernel
-        return torch.randn(s, 2, h, 64, generator=g).to(device=device, dtype=dtype).permute(1, 2, 0, 3)
+        return torch.randn(s, 2, h, head_dim, generator=g).to(device=device, dtype=dtype).permute(1, 2, 0, 3)
 
     kernel, tol = _KERNELS[backend], (1e-3 if dtype == torch.float32 else 3e-2)
 
@@ -884,8 +905,8 @@ def check_backend(backend: str, device: torch.device, dtype: torch.dtype, window
                 wrong = f"result (it refuses a window here: {str(exc).splitlines()[0]})"
             if wrong:
                 raise RuntimeError(f"attention backend {backend!r} gives a wrong {wrong} on {device.type} {dtype} "
-                                   f"(causal={causal}, window {left}, {sq}x{sk}); build the model with "
-                                   "attention_backend='math' or another backend")
+                                   f"(head dim {head_dim}, causal={causal}, window {left}, {sq}x{sk}); build the "
+                                   "model with attention_backend='math' or another backend")
 
     if windowed and key not in _WINDOW_CHECKED:  # a window's blocks: causal, a band, a band not square
         check([(64, 64, True, 16), (64, 64, False, 8), (32, 64, False, 40)])
@@ -899,7 +920,7 @@ def check_backend(backend: str, device: torch.device, dtype: torch.dtype, window
         except RuntimeError as exc:
             wrong = f"result (it raised: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
         if wrong:  # the blocks are right without it: a call per document piece
-            _VARLEN_BROKEN.add((kernel, device.type, dtype))
+            _VARLEN_BROKEN.add((kernel, device.type, dtype, head_dim))
             warnings.warn(f"attention backend {backend!r} gives a wrong {wrong} in its varlen form (cu_seqlens) on "
                           f"{device.type} {dtype}: packed documents run a kernel call per piece", stacklevel=2)
     aligned = kernel.bottom_right
@@ -914,13 +935,13 @@ def check_backend(backend: str, device: torch.device, dtype: torch.dtype, window
 # ---- the op ----------------------------------------------------------------------------------
 def _kernel(backend: str, q: torch.Tensor, calls: Sequence[_Call]) -> Tuple[str, type]:
     windowed = any(c.left >= 0 for c in calls)
-    backend = resolve_backend(backend, q.device, q.dtype, planned=is_fake(q), windowed=windowed)
+    backend = resolve_backend(backend, q.device, q.dtype, planned=is_fake(q), windowed=windowed, head_dim=q.size(-1))
     if not is_fake(q):
-        check_backend(backend, q.device, q.dtype, windowed)
+        check_backend(backend, q.device, q.dtype, windowed, q.size(-1))
     return backend, _KERNELS[backend]
 
 
-_VARLEN_BROKEN: set = set()  # (kernel, device type, dtype) whose varlen form failed check_backend
+_VARLEN_BROKEN: set = set()  # (kernel, device type, dtype, head dim) whose varlen form failed check_backend
 
 
 def _varlen_runs(kernel, calls: Sequence[_Call], q: torch.Tensor) -> List[List[_Call]]:
@@ -928,7 +949,8 @@ def _varlen_runs(kernel, calls: Sequence[_Call], q: torch.Tensor) -> List[List[_
     documents' pieces of a query chunk, :func:`document_blocks`, and any other such blocks),
     each run one varlen call (``cu_seqlens``) where the kernel has one for ``q``'s device and
     dtype (its form passed :func:`check_backend`), not one call each."""
-    if not getattr(kernel, "has_varlen", lambda: False)() or (kernel, q.device.type, q.dtype) in _VARLEN_BROKEN:
+    if not getattr(kernel, "has_varlen", lambda: False)() or \
+            (kernel, q.device.type, q.dtype, q.size(-1)) in _VARLEN_BROKEN:
         return []
     runs: List[List[_Call]] = []
     for c in sorted(calls, key=lambda c: c.q0):
@@ -1264,10 +1286,8 @@ def block_attention(query, keys, values, chunk_ids: Sequence[int], scale: float,
     ``documents``: each sample's document starts (packed documents). Returns ``out [sq, b,
     hq, d]``, differentiable by the op's own backward (from the saved lse)."""
     q, k, v = bhsd(query, keys, values)
-    planned = is_fake(query)
-    backend = resolve_backend(backend, query.device, query.dtype, planned=planned, keys=keys.size(0),
-                              windowed=window >= 0)
-    aligned = bottom_right(backend, query.device, query.dtype, planned=planned)
+    backend, aligned = prepare_backend(backend, query.device, query.dtype, is_fake(query), keys.size(0), window >= 0,
+                                       documents is not None, query.size(-1))
     chunk_blocks = _flat(blocks(chunk_ids, q.size(2) // len(chunk_ids), aligned, window, backend, documents))
     if sink is None:
         out, _ = _block_attention(q, k, v, chunk_blocks, float(scale), backend)

@@ -255,7 +255,9 @@ def check_modes(values: Dict, modes: List[str], steps: int, device: Device, budg
                          planned_by_category_gib=planned["by_category_gib"],
                          flops_per_rank=planned["flops_per_rank"],
                          attention_kernel=ops.resolve_backend(attention_backend, device.torch, params_dtype(args),
-                                                              keys=args.seq_length))
+                                                              keys=args.seq_length,
+                                                              documents=args.reset_attention_mask,
+                                                              head_dim=args.kv_channels))
             entry.update(head_groups_per_call=_head_groups_per_call(args, mode, device, entry["attention_kernel"]))
             _measure_mode(args, mode, steps, device, entry, profile, attention_backend)
         except Exception as exc:  # noqa: BLE001 - out of memory, say: a result, and the next mode runs

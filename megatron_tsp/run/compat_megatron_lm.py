@@ -12,7 +12,6 @@ paths compile CUDA kernels, or torch.compile them on first use).
 
 from __future__ import annotations
 
-import os
 from typing import Sequence, Union
 
 import torch
@@ -88,8 +87,6 @@ def enable_megatron_lm_cpu_support() -> None:
     if _ENABLED:
         return
     enable_cpu_support()
-    # Megatron-LM asserts it for TP/CP below compute capability 10; the CPU has no streams.
-    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     torch.Tensor.cuda = _tensor_stays
     torch.nn.Module.cuda = _module_stays
     torch.cuda.get_rng_state = _no_cuda_rng_state
