@@ -245,6 +245,15 @@ def test_head_groups_per_call_fill_the_gpu_at_short_sequences():
         picked = {s: head_groups_per_call("auto", 8, 1, 4, s // 16, device, "flash", planned=True)
                   for s in (8192, 16384, 32768, 65536, 131072)}
         assert picked == {8192: 8, 16384: 8, 32768: 4, 65536: 2, 131072: 1}
+    # the planned GPU's count from its hardware profile: MI300X's 304 CUs, A100's 108 SMs
+    from megatron_tsp.core.attention import planned_multiprocessors
+    from megatron_tsp.measure.perfmodel import load_hardware
+
+    mi300x = load_hardware(os.path.join(ROOT, "configs", "hardware", "mi300x.yaml")).multiprocessors
+    for sms, want in ((mi300x, {16384: 8, 32768: 8, 65536: 4, 131072: 2}),
+                      (108, {16384: 4, 32768: 2, 65536: 1, 131072: 1})):
+        with planned_multiprocessors(sms):
+            assert {s: head_groups_per_call("auto", 8, 1, 4, s // 16, cpu, "flash", planned=True) for s in want} == want
     assert head_groups_per_call("auto", 8, 1, 4, 1024, cpu, "cpu") == 1
     assert head_groups_per_call("auto", 8, 1, 4, 1024, cpu, "math", planned=True) == 1
     assert head_groups_per_call(2, 8, 1, 4, 8192, cuda, "flash", planned=True) == 2

@@ -275,3 +275,34 @@ def test_attention_variants_train_tsp_and_tp_sp_from_the_same_loss(ranks, tmp_pa
         first[name] = _records(log)[0]["loss"]
     assert abs(first["tsp"] - first["tp-sp"]) <= 1e-5 * first["tp-sp"], first
     assert first["tsp"] != uninterrupted[1]["loss"]
+
+
+def test_packed_documents_are_read_from_the_host_copy_of_the_tokens(monkeypatch):
+    """Packed documents are found from the EOD tokens before the zigzag split: read from a
+    GPU's tokens that is a device sync per micro-batch. The training loop's batches carry the
+    tokens' host copy, and the forward step reads that one."""
+    import torch
+
+    from megatron_tsp.run import data, step
+
+    class OnTheDevice(torch.Tensor):  # a GPU's tokens: a read on the host would wait for the device
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            if func in (torch.Tensor.nonzero, torch.Tensor.cpu, torch.Tensor.tolist, torch.Tensor.item):
+                raise AssertionError(f"{func.__name__} of the device's tokens")
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    monkeypatch.setattr(step.mpu, "get_context_parallel_group", lambda: None)
+    batch = data.make_batch(1, 16, 100, 0, torch.device("cpu"))
+    assert batch["host_tokens"] is batch["tokens"]  # on the CPU, the tokens themselves
+    batch["host_tokens"] = batch["tokens"].clone()
+    batch["host_tokens"][0, 5] = 7  # an EOD: documents [0, 6) and [6, 16)
+    batch["tokens"] = batch["tokens"].as_subclass(OnTheDevice)
+    seen = {}
+
+    def model(tokens, position_ids, attention_mask, labels=None, packed_seq_params=None):
+        seen["cu_seqlens"] = packed_seq_params.cu_seqlens_q.tolist()
+        return torch.zeros(1, 16)
+
+    step.make_forward_step(documents_eod=7)(iter([batch]), model)
+    assert seen["cu_seqlens"] == [0, 6, 16] and "host_tokens" not in batch

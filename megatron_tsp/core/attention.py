@@ -26,6 +26,7 @@ baseline uses too.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 from dataclasses import dataclass, replace
@@ -69,9 +70,29 @@ from megatron_tsp.core.support import check_attention_config
 Rope = Optional[Tuple[torch.Tensor, ...]]
 
 
-PLANNED_SMS = 132  # the H100's and H200's streaming multiprocessors: what the planner's GPU has
+PLANNED_SMS = 132  # the H100's and H200's streaming multiprocessors: the planner's GPU, unless told
 TILE_ROWS = 128  # query rows per thread block of a flash kernel's forward (flash-attn 2, head dim 128)
 _SMS: Dict[int, int] = {}
+_PLANNED = [PLANNED_SMS]  # the planner's GPU's (planned_multiprocessors)
+
+
+@contextlib.contextmanager
+def planned_multiprocessors(count: int):
+    """Inside the block the planner's fake tensors plan a GPU of ``count`` SMs or CUs (a
+    hardware profile's ``multiprocessors``: 132 on H100 and H200, 304 on MI300X, 108 on A100)."""
+    _PLANNED.append(count)
+    try:
+        yield
+    finally:
+        _PLANNED.pop()
+
+
+def multiprocessors_of(device: torch.device) -> int:
+    """A real GPU's SMs (NVIDIA) or CUs (AMD), read once per device."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SMS:
+        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SMS[index]
 
 
 def check_head_groups_per_call(setting: Union[int, str], d_size: int, name: str) -> None:
@@ -88,8 +109,8 @@ def head_groups_per_call(setting: Union[int, str], d_size: int, batch: int, head
     one kernel call per block for all of them. An int is taken as it is. ``auto``: 1 for the
     CPU's kernels (``backend``, resolved), which split any call across their threads; for a
     GPU kernel the fewest (a divisor of D) whose calls fill the GPU, ``batch x G x heads x
-    ceil(rows / TILE_ROWS)`` thread blocks at least its SM count (:data:`PLANNED_SMS` for the
-    planner's fake tensors, which plan a GPU's kernels wherever they live). One head
+    ceil(rows / TILE_ROWS)`` thread blocks at least its SM count (for the planner's fake
+    tensors, which plan a GPU's kernels wherever they live, :func:`planned_multiprocessors`). One head
     group per call keeps the most overlap, but at short S its calls leave most SMs idle: the
     7B at D=8 (4 heads a group) has 32 thread blocks a call at 16K, so all 8 groups go in one
     stage on 132 SMs; 4 at 32K, 2 at 64K, 1 from 128K. ``heads``: query heads per head
@@ -98,13 +119,7 @@ def head_groups_per_call(setting: Union[int, str], d_size: int, batch: int, head
         return setting
     if backend not in block_attention.GPU_BACKENDS:
         return 1
-    if planned or device.type != "cuda":
-        sms = PLANNED_SMS
-    else:
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        if index not in _SMS:
-            _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-        sms = _SMS[index]
+    sms = _PLANNED[-1] if planned or device.type != "cuda" else multiprocessors_of(device)
     tiles = batch * heads * -(-rows // TILE_ROWS)
     return next(g for g in range(1, d_size + 1) if d_size % g == 0 and (g * tiles >= sms or g == d_size))
 

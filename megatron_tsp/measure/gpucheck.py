@@ -41,7 +41,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from megatron_tsp.core import block_attention as ops
 from megatron_tsp.core import gemm as gemms
-from megatron_tsp.core.attention import head_groups_per_call
+from megatron_tsp.core.attention import PLANNED_SMS, head_groups_per_call, multiprocessors_of
 from megatron_tsp.core.parallel_state import destroy_model_parallel
 from megatron_tsp.device import Device
 from megatron_tsp.env import run_record
@@ -249,7 +249,8 @@ def check_modes(values: Dict, modes: List[str], steps: int, device: Device, budg
             continue
         entry = part[mode] = {}
         try:
-            planned = memory.plan(dict(values), mode, device=device, attention_backend=attention_backend)
+            planned = memory.plan(dict(values), mode, device=device, attention_backend=attention_backend,
+                                  multiprocessors=multiprocessors_of(device.torch) if device.is_gpu else PLANNED_SMS)
             args = get_mode(mode).args(values)
             entry.update(parallel=planned["parallel"], planned_peak_gib=planned["peak_gib"],
                          planned_by_category_gib=planned["by_category_gib"],

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
+from megatron_tsp.core.attention import PLANNED_SMS, planned_multiprocessors
 from megatron_tsp.core.parallel_state import destroy_model_parallel
 from megatron_tsp.core.sizes import DEFAULT_CP, ParallelSizes
 from megatron_tsp.device import CPU, Device
@@ -233,7 +234,7 @@ def _optimizer_tensors(optimizer) -> List[torch.Tensor]:
 
 def plan(values: Dict, mode: str, world_size: Optional[int] = None, cp: int = DEFAULT_CP,
          attention_backend: str = "auto", per_layer: bool = False, device: Device = CPU,
-         fused_norm: bool = True, largest: int = 0, rank: int = 0) -> Dict:
+         fused_norm: bool = True, largest: int = 0, rank: int = 0, multiprocessors: int = PLANNED_SMS) -> Dict:
     """Peak memory by category, FLOPs and communication of one training step of rank ``rank``
     (default 0) of a ``world_size`` job (default: one replica), at full size, under
     FakeTensorMode; with
@@ -243,14 +244,15 @@ def plan(values: Dict, mode: str, world_size: Optional[int] = None, cp: int = DE
     ``device``: where the fake tensors live. The CPU plans the same step anywhere; ``cuda``
     runs the GPU code path (GPU initialisation, GPU attention kernels through their meta
     functions, every collective checked to move GPU tensors) and needs a CUDA runtime, real
-    or the tests' stand-in. ``fused_norm``: see :func:`megatron_tsp.core.norm.implementation`."""
+    or the tests' stand-in. ``fused_norm``: see :func:`megatron_tsp.core.norm.implementation`.
+    ``multiprocessors``: the planned GPU's SMs or CUs (TSP's head groups per attention call)."""
     mode = get_mode(mode)
     # Built where it runs: FakeTensorMode cannot move a module between devices, and where the
     # weights were initialised does not change the step's memory.
     args = mode.args(dict(values, use_cpu_initialization=False), cp)
     balanced_routing(args, per_layer)
     world_size = cfg.sizes(args, world_size).world_size
-    with fake_world(world_size, rank), counts.devices_checked(device.torch):
+    with fake_world(world_size, rank), counts.devices_checked(device.torch), planned_multiprocessors(multiprocessors):
         return _run(args, mode, world_size, StorageTracker(fake_scalars=True, detail=largest), attention_backend,
                     device, fake=True, per_layer=per_layer, fused_norm=fused_norm)
 
@@ -400,13 +402,15 @@ def layer_period(values: Dict) -> int:
 
 
 def first_and_last_rank_plans(values: Dict, mode: str, world_size: Optional[int] = None, cp: int = DEFAULT_CP,
-                              fused_norm: bool = True) -> Dict[int, Tuple[Dict, Dict]]:
+                              fused_norm: bool = True, multiprocessors: int = PLANNED_SMS
+                              ) -> Dict[int, Tuple[Dict, Dict]]:
     """``{rank: (plan, plan)}`` at :func:`planned_layers` with a GPU's kernels, for the first
     and the last rank of a model-parallel group: TSP's ranks do different attention work
     around the same FLOPs (blocks, merges, key rows no block touches), and these two bound it."""
     last = ParallelSizes.of(get_mode(mode).values(values, cp)).within_a_stage - 1
     return {rank: tuple(plan(dict(copy.deepcopy(values), num_layers=n), mode, world_size, cp,
-                             attention_backend="gpu", fused_norm=fused_norm, rank=rank)
+                             attention_backend="gpu", fused_norm=fused_norm, rank=rank,
+                             multiprocessors=multiprocessors)
                         for n in planned_layers(values))
             for rank in sorted({0, last})}
 

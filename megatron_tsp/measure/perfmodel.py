@@ -44,6 +44,7 @@ import json
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
+from megatron_tsp.core.attention import PLANNED_SMS
 from megatron_tsp.core.sizes import DEFAULT_CP
 from megatron_tsp.env import run_record, shown_path
 from megatron_tsp.measure import memory
@@ -85,6 +86,9 @@ class Hardware:
     # The share of the baselines' tensor-parallel traffic TransformerEngine's TP overlap
     # (userbuffers, --tp-comm-overlap) hides behind GEMMs: docs/measuring.md says why 0.7.
     te_tp_overlap_hidden: float = 0.7
+    # Streaming multiprocessors (NVIDIA) or compute units (AMD): how many thread blocks fill
+    # the GPU, which sets TSP's head groups per attention call (core.attention.head_groups_per_call)
+    multiprocessors: int = PLANNED_SMS
 
     def at_link(self, name: str) -> "Hardware":
         """This profile with every link at the calibrated ``name`` (a rate-limited CPU link)."""
@@ -97,7 +101,7 @@ class Hardware:
                                    primitive_gbs=link.get("by_primitive_gbs"))
 
 
-_OPTIONAL_KEYS = ("links", "measured", "primitive_gbs", "te_tp_overlap_hidden")
+_OPTIONAL_KEYS = ("links", "measured", "primitive_gbs", "te_tp_overlap_hidden", "multiprocessors")
 _FRACTIONS = ("matmul_efficiency", "attention_efficiency", "te_tp_overlap_hidden")
 _HARDWARE_KEYS = tuple(k for k in Hardware.__dataclass_fields__ if k not in _OPTIONAL_KEYS)
 
@@ -115,6 +119,11 @@ def load_hardware(path: str) -> Hardware:
         raise cfg.ConfigError(f"{path}: {what}; a hardware profile has the keys of configs/hardware/h100.yaml")
     for key, value in values.items():
         if key == "name":
+            continue
+        if key == "multiprocessors":
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise cfg.ConfigError(f"{path}: '{key}' is the GPU's count of SMs or CUs, a positive whole number "
+                                      f"(got {value!r})")
             continue
         if key in _OPTIONAL_KEYS and key not in _FRACTIONS:
             if not isinstance(value, dict):
@@ -150,22 +159,24 @@ _COUNTS: Dict[str, Dict] = {}  # layer_counts of this process, by their argument
 
 
 def layer_counts(values: Dict, mode: str, world_size: Optional[int] = None, cp: int = DEFAULT_CP,
-                 fused_norm: bool = True) -> Dict:
+                 fused_norm: bool = True, multiprocessors: int = PLANNED_SMS) -> Dict:
     """FLOPs, comm counts and peak memory of one micro-batch step, of the slowest rank (the
     peak: the larger of the first and the last rank's): ``{"base": ..., "per_layer": ...}``
     (the peak is linear in the layer count too, from two layers on: every layer keeps the
     same activations, and the peak falls at the same point of the step).
-    Planned once per process for the same arguments: the hardware does not enter them, so
-    a planner that tries several GPUs, or sequence lengths again, reuses them."""
-    key = json.dumps([values, mode, world_size, cp, fused_norm], sort_keys=True, default=str)
+    Planned once per process for the same arguments: of the hardware only its
+    ``multiprocessors`` enter them (TSP's head groups per call), so a planner that tries
+    several GPUs of one kind, or sequence lengths again, reuses them."""
+    key = json.dumps([values, mode, world_size, cp, fused_norm, multiprocessors], sort_keys=True, default=str)
     if key not in _COUNTS:
-        _COUNTS[key] = _layer_counts(values, mode, world_size, cp, fused_norm)
+        _COUNTS[key] = _layer_counts(values, mode, world_size, cp, fused_norm, multiprocessors)
     return copy.deepcopy(_COUNTS[key])
 
 
-def _layer_counts(values: Dict, mode: str, world_size: Optional[int], cp: int, fused_norm: bool) -> Dict:
+def _layer_counts(values: Dict, mode: str, world_size: Optional[int], cp: int, fused_norm: bool,
+                  multiprocessors: int) -> Dict:
     """Counts of the slowest rank; its peak is the larger of the first and the last rank's."""
-    plans = memory.first_and_last_rank_plans(values, mode, world_size, cp, fused_norm)
+    plans = memory.first_and_last_rank_plans(values, mode, world_size, cp, fused_norm, multiprocessors)
     fewer, more = ({"flops": p["flops_per_rank"], "attention_flops": p["attention_flops_per_rank"],
                     "memory_bytes": p["memory_bytes_per_rank"], "by_phase": p["by_phase"], "comm": p["comm"],
                     "parallel": p["parallel"]} for p in plans[memory.slowest_rank(plans)])
@@ -284,7 +295,7 @@ def evaluate(values: Dict, mode: str, hw: Hardware, world: int, cp: int, brief: 
     """Per scenario, step time and cluster tokens/s of ``mode`` on ``world`` GPUs, and rank 0's
     peak memory (``peak_gib``), from one planning at 2 and 3 layers."""
     args = get_mode(mode).args(values, cp)
-    counts = layer_counts(values, mode, world, cp, fused_norm)
+    counts = layer_counts(values, mode, world, cp, fused_norm, hw.multiprocessors)
     total = totals_for(counts, args.num_layers)
     d = counts["parallel"]
     layout = cfg.sizes(args, world)

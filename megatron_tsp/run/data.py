@@ -216,15 +216,17 @@ def build_train_dataset(args, num_samples: int, data_parallel_size: int):
 def microbatches(dataset, iteration: int, num_microbatches: int, micro_batch_size: int,
                  dp_rank: int, dp_size: int, device: torch.device) -> List[Dict[str, torch.Tensor]]:
     """This rank's micro-batches of global batch ``iteration`` (Megatron's sample order), on
-    ``device``."""
+    ``device``, each with its tokens' host copy (``host_tokens``: where packed documents are
+    read, without waiting for the device)."""
     global_batch = num_microbatches * micro_batch_size * dp_size
     out = []
     for m in range(num_microbatches):
         start = iteration * global_batch + m * micro_batch_size * dp_size + dp_rank * micro_batch_size
         samples = [dataset[(start + i) % len(dataset)] for i in range(micro_batch_size)]
-        batch = {key: torch.stack([torch.as_tensor(s[key]) for s in samples]).to(device, non_blocking=True)
-                 for key in ("tokens", "labels", "loss_mask", "position_ids")}
-        batch["attention_mask"] = None
+        host = {key: torch.stack([torch.as_tensor(s[key]) for s in samples])
+                for key in ("tokens", "labels", "loss_mask", "position_ids")}
+        batch = {key: t.to(device, non_blocking=True) for key, t in host.items()}
+        batch.update(attention_mask=None, host_tokens=host["tokens"])
         out.append(batch)
     return out
 
@@ -235,15 +237,17 @@ def make_batch(micro_batch_size: int, seq_length: int, vocab_size: int, seed: in
     tests).
 
     Every call returns new tensors: megatron's ``get_batch_on_this_cp_rank`` slices the dict it
-    is given in place, so a batch must never be fed twice. The same ``seed`` gives the same
+    is given in place, so a batch must never be fed twice. ``host_tokens``: as
+    :func:`microbatches`' (on the CPU, the tokens themselves). The same ``seed`` gives the same
     tokens, so that every mode of a comparison sees the same data.
     """
     g = torch.Generator().manual_seed(seed)  # on the CPU: the same tokens on every device
-    tokens = torch.randint(0, vocab_size, (micro_batch_size, seq_length + 1), generator=g).to(device)
-    return {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
+    drawn = torch.randint(0, vocab_size, (micro_batch_size, seq_length + 1), generator=g)
+    tokens = drawn[:, :-1].contiguous()
+    return {"tokens": tokens.to(device), "labels": drawn[:, 1:].contiguous().to(device),
             "loss_mask": torch.ones(micro_batch_size, seq_length, device=device),
             "position_ids": torch.arange(seq_length, device=device).expand(micro_batch_size, -1).contiguous(),
-            "attention_mask": None}
+            "attention_mask": None, "host_tokens": tokens}
 
 
 def make_batches(micro_batch_size: int, seq_length: int, vocab_size: int, device: torch.device):

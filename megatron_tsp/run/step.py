@@ -123,13 +123,16 @@ def masked_mean_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 def make_forward_step(batch_transform: Optional[Callable[[Batch], Batch]] = None, documents_eod: Optional[int] = None):
     """A megatron ``forward_step_func`` over an iterator of batch dicts; ``documents_eod``:
     attend within the documents this token ends (packed documents, read from the tokens in
-    natural order, before ``batch_transform``: :mod:`megatron_tsp.core.documents`)."""
+    natural order, before ``batch_transform``: :mod:`megatron_tsp.core.documents`), from the
+    batch's ``host_tokens`` where it has them (:func:`megatron_tsp.run.data.microbatches`: a
+    GPU's tokens would be read with a device sync per micro-batch)."""
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
+        host_tokens = batch.pop("host_tokens", batch["tokens"])
         documents = {}
         if documents_eod is not None:
-            documents["packed_seq_params"] = document_params(batch["tokens"], documents_eod,
+            documents["packed_seq_params"] = document_params(host_tokens, documents_eod,
                                                              mpu.get_context_parallel_group())
         if batch_transform is not None:
             batch = batch_transform(batch)
