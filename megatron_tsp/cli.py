@@ -18,10 +18,10 @@ import shlex
 import signal
 import sys
 import traceback
-import warnings
 from typing import Dict, List, Optional
 
 from megatron_tsp.core.sizes import DEFAULT_CP
+from megatron_tsp.env import quiet_import_noise
 from megatron_tsp.errors import ConfigError, UserError
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
@@ -653,21 +653,7 @@ def _stdout_closed() -> bool:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    # megatron-core warns at import that TransformerEngine/apex are missing; `megatron-tsp
-    # env` reports them, and on a CPU they are not expected.
-    warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).* not installed")
-    # megatron-core 0.16.1's own calls and defaults, nothing a user can change: torch's
-    # deprecated collectives, and TransformerConfig's default cuda_graph_scope "full"
-    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` "
-                            "is deprecated", category=FutureWarning)
-    warnings.filterwarnings("ignore", message="full scope is deprecated", category=UserWarning)
-    # megatron-core 0.19 imports absl.logging where it is installed, and says so where not
-    warnings.filterwarnings("ignore", message="absl.logging is not installed", category=UserWarning)
-    # ... its advice for sequence parallelism, which `train` follows per mode (modes.Mode.device_max_connections)
-    warnings.filterwarnings("ignore", message="When using sequence parallelism it is recommended to set the "
-                            "environment variable CUDA_DEVICE_MAX_CONNECTIONS", category=UserWarning)
-    # ... and its rank-0-only logging asks for a rank in the launcher, which has no process group
-    warnings.filterwarnings("ignore", message="Could not determine rank from torch.distributed", category=UserWarning)
+    quiet_import_noise()
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

@@ -6,6 +6,7 @@ import importlib
 import importlib.metadata as metadata
 import os
 import platform
+import warnings
 from typing import Dict, Optional
 
 
@@ -95,3 +96,27 @@ def run_record(**extra) -> Dict[str, object]:
     return {"date": datetime.datetime.now().isoformat(timespec="seconds"), **extra,
             "machine": platform.platform(), "cpus": os.cpu_count(),
             "torch_threads": torch.get_num_threads(), "commit": commit, **environment()}
+
+
+def quiet_import_noise() -> None:
+    """Ignore the warnings megatron-core and torch print on import or for their own calls,
+    nothing a user can change, in this process and the ranks it forks: every other warning
+    (a kernel set aside, a slow fallback) still reaches the user. For the command line and
+    the ranks' fork server, never on import of the package."""
+    # TransformerEngine/apex missing: `megatron-tsp env` reports them; on a CPU they are not expected
+    warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).* not installed")
+    # megatron-core 0.16.1's own calls and defaults: torch's deprecated collectives, and
+    # TransformerConfig's default cuda_graph_scope "full"
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` "
+                            "is deprecated", category=FutureWarning)
+    warnings.filterwarnings("ignore", message="full scope is deprecated", category=UserWarning)
+    # megatron-core 0.19 imports absl.logging where it is installed, and says so where not
+    warnings.filterwarnings("ignore", message="absl.logging is not installed", category=UserWarning)
+    # ... its advice for sequence parallelism, which `train` follows per mode (modes.Mode.device_max_connections)
+    warnings.filterwarnings("ignore", message="When using sequence parallelism it is recommended to set the "
+                            "environment variable CUDA_DEVICE_MAX_CONNECTIONS", category=UserWarning)
+    # ... its optimizer asks every main parameter for .grad, the distributed optimizer's views too
+    warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf Tensor",
+                            category=UserWarning, module=r"megatron\.core\.optimizer")
+    # ... and its rank-0-only logging asks for a rank in the launcher, which has no process group
+    warnings.filterwarnings("ignore", message="Could not determine rank from torch.distributed", category=UserWarning)

@@ -242,6 +242,24 @@ def test_a_jobs_ranks_get_its_environment_unless_the_user_set_it(monkeypatch, us
         assert job.run(_environ, "MEGATRON_TSP_TEST_VAR") == [user or "1"] * 2
 
 
+def _warnings_shown():
+    import warnings
+
+    with warnings.catch_warnings(record=True) as shown:  # the filters the rank has, as they are
+        warnings.warn("attention backend 'flash' gives a wrong lse in its varlen form", UserWarning, stacklevel=1)
+        warnings.warn("Transformer Engine and Apex are not installed. Falling back", UserWarning, stacklevel=1)
+    return [str(w.message) for w in shown]
+
+
+def test_a_ranks_warnings_reach_the_user_and_import_noise_does_not():
+    """The fork server quiets what its imports print; it started with PYTHONWARNINGS=ignore,
+    which its ranks inherited: the varlen fallback's and the slow GEMM's warnings were lost."""
+    from megatron_tsp.run import launch
+
+    with launch.job(2) as job:
+        assert job.run(_warnings_shown) == [["attention backend 'flash' gives a wrong lse in its varlen form"]] * 2
+
+
 def test_train_sets_device_connections_per_mode():
     from megatron_tsp.cli import rank_environment
     from megatron_tsp.run import config

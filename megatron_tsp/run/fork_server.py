@@ -8,10 +8,16 @@ ends with the launcher: it exits when its last client is gone.
 It ignores SIGTERM, which Slurm sends to every process of a job step: the ranks are the
 server's children and die with it, and what SIGTERM means (save first, or stop now) is the
 launcher's to decide. The ranks inherit the ignore until they install their own handler.
+
+It ignores the warnings its imports print (megatron-core's about missing CUDA extensions),
+and only those: the ranks inherit its filters, and every other warning reaches the user.
 """
 
 import os
 import signal
 
+from megatron_tsp.env import quiet_import_noise
+
 os.setpgid(0, 0)
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
+quiet_import_noise()

@@ -435,21 +435,6 @@ def _context():
     return ctx
 
 
-@contextlib.contextmanager
-def _quiet_imports() -> Iterator[None]:
-    """megatron-core warns about missing CUDA extensions on every import; the fork server's
-    imports (it starts inside this block) keep the launcher's output readable."""
-    saved = os.environ.get("PYTHONWARNINGS")
-    os.environ["PYTHONWARNINGS"] = "ignore"
-    try:
-        yield
-    finally:
-        if saved is None:
-            del os.environ["PYTHONWARNINGS"]
-        else:
-            os.environ["PYTHONWARNINGS"] = saved
-
-
 def start_importing() -> None:
     """Start the ranks' fork server now, before the launcher imports megatron-core to read its
     configuration: both imports then run at once (seconds saved on every local launch). No
@@ -459,8 +444,7 @@ def start_importing() -> None:
     from multiprocessing import forkserver
 
     _context()
-    with _quiet_imports():
-        forkserver.ensure_running()
+    forkserver.ensure_running()
 
 
 # The reaper: the leader of a pool's process group. It ignores the signals a terminal or a
@@ -496,21 +480,20 @@ class WorkerPool:
         self._conns: List[Connection] = []
         self._procs = []
         try:  # a failure or Ctrl-C while the ranks start leaves none of them behind
-            with _quiet_imports():  # the first start also starts the fork server
-                for rank in range(world_size):
-                    parent, child = ctx.Pipe()
-                    proc = ctx.Process(
-                        target=_worker,
-                        args=(rank, world_size, port, child, list(sys.path), collective_timeout_s, device_type,
-                              self._reaper.pid, environ),
-                        # not daemonic: megatron's checkpoint writer starts processes of its own.
-                        # A worker exits when its pipe to the parent closes.
-                        daemon=False,
-                    )
-                    proc.start()
-                    child.close()
-                    self._conns.append(parent)
-                    self._procs.append(proc)
+            for rank in range(world_size):  # the first start also starts the fork server
+                parent, child = ctx.Pipe()
+                proc = ctx.Process(
+                    target=_worker,
+                    args=(rank, world_size, port, child, list(sys.path), collective_timeout_s, device_type,
+                          self._reaper.pid, environ),
+                    # not daemonic: megatron's checkpoint writer starts processes of its own.
+                    # A worker exits when its pipe to the parent closes.
+                    daemon=False,
+                )
+                proc.start()
+                child.close()
+                self._conns.append(parent)
+                self._procs.append(proc)
             self._collect("start-up", start_timeout_s)
         except BaseException:
             self.close(kill=True)
