@@ -63,6 +63,48 @@ def test_bf16_gemms_cast_where_this_torch_has_no_fp32_output_kernel():
     torch.testing.assert_close(acc, low[0].float() @ low[1].float())
 
 
+def test_the_fp32_output_probe_runs_a_real_shape_in_both_layouts(monkeypatch):
+    """cuBLASLt/hipBLASLt can take 1x1 matrices and refuse a real shape or a transposed
+    operand: the probe runs a real GEMM's shape with each operand row-major and transposed,
+    and takes the fp32-output kernels only where every one gives the exact product. This
+    CPU has none: a GPU's are stood in for by fp32 GEMMs, then broken two ways."""
+    cpu = torch.device("cpu")
+    mm, addmm = torch.mm, torch.addmm
+
+    def a_gpus(fn):
+        def fp32_output(*args, out_dtype=None, out=None):
+            if out_dtype is None:
+                return fn(*args) if out is None else fn(*args, out=out)
+            *c, a, b = args
+            got = fn(*(t.float() for t in (*c, a, b)))
+            return got if out is None else out.copy_(got)
+        return fp32_output
+
+    def refuses_a_transposed_operand(fn):
+        def checked(*args, **kwargs):
+            if "out_dtype" in kwargs and any(not t.is_contiguous() for t in args[-2:]):
+                raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED when calling cublasLtMatmul")
+            return fn(*args, **kwargs)
+        return checked
+
+    def wrong_past_one_tile(fn):
+        def computed(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            if "out_dtype" in kwargs and out.numel() > 1:
+                out[-1, -1] += 1
+            return out
+        return computed
+
+    for broken, want in ((lambda fn: fn, (True, True)), (refuses_a_transposed_operand, (False, False)),
+                         (wrong_past_one_tile, (False, False))):
+        monkeypatch.setattr(torch, "mm", broken(a_gpus(mm)))
+        monkeypatch.setattr(torch, "addmm", broken(a_gpus(addmm)))
+        monkeypatch.setattr(gemm_module, "_TRIED", {})
+        assert fp32_output_gemm(cpu, torch.bfloat16) == want
+        low = torch.randn(64, 24).bfloat16(), torch.randn(24, 16).bfloat16()
+        torch.testing.assert_close(gemm(low[0].t().contiguous().t(), low[1]), low[0].float() @ low[1].float())
+
+
 def _planned_gemm_ops():
     low = torch.randn(64, 24).bfloat16(), torch.randn(24, 16).bfloat16()
     with FakeTensorMode() as fake:  # the memory planner's tensors: the GPU's GEMMs, no casts

@@ -13,7 +13,8 @@ its fp32 accumulator to ``out`` (beta = 1) and nothing is rounded:
 On a GPU with bf16/fp16 inputs these are ``mm(..., out_dtype=float32)`` and
 ``addmm(c, a, b, out_dtype=float32, out=c)`` (torch >= 2.8; an fp32 ``c`` on CUDA since
 PyTorch PR #167931). Whether the running torch computes each on a device is tried once per
-device type and dtype, on 1x1 matrices, not read from its version: a torch with the first
+device type and dtype, at a real GEMM's shape with each operand in both layouts, not read
+from its version: a torch with the first
 and not the second adds an fp32 product into ``c`` (one more pass over ``c``, nothing
 rounded); one with neither casts both inputs to fp32 first (the same sums, at the cost of the
 casts and an fp32 GEMM: on a GPU, said once). The CPU takes the casts. Fake tensors (the
@@ -24,7 +25,7 @@ compute it, tried the same way.
 from __future__ import annotations
 
 import warnings
-from typing import Dict, NamedTuple, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
@@ -39,16 +40,43 @@ class Fp32Output(NamedTuple):
 
 
 _TRIED: Dict[Tuple[str, torch.dtype], Fp32Output] = {}
-
-
 _FAKE_TRIED: Dict[Tuple[str, torch.dtype], Fp32Output] = {}
 
+# (M, K, N) of the probe: a GEMM library can take 1x1 and refuse a real shape or a transposed operand
+PROBE_SHAPE = (384, 256, 320)
 
-def _runs(op) -> bool:
+
+def _probes(dtype: torch.dtype, device: torch.device) -> List[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """``(a, b, a @ b in fp64)`` at :data:`PROBE_SHAPE`, each operand row-major and as the
+    transpose of a row-major tensor (``dy.t()``, a weight's ``.t()``): small integers, which
+    every low-precision dtype holds and an fp32 accumulator sums exactly."""
+    m, k, n = PROBE_SHAPE
+    g = torch.Generator().manual_seed(0)
+    a, b = (torch.randint(-2, 3, shape, generator=g).to(dtype) for shape in ((m, k), (k, n)))
+    want = a.double() @ b.double()
+    return [(x.to(device), y.to(device), want) for x in (a, a.t().contiguous().t())
+            for y in (b, b.t().contiguous().t())]
+
+
+def _computes(op) -> bool:
     try:
-        return op().dtype == torch.float32
-    except (RuntimeError, TypeError, NotImplementedError):  # no such overload, or no fake kernel for it
+        return bool(op())
+    except (RuntimeError, TypeError, NotImplementedError):  # no such overload, or no kernel here
         return False
+
+
+def _fp32_output(probes, exact: bool) -> Fp32Output:
+    """Which fp32-output GEMMs give an fp32 result (``exact``: the exact one) for every probe."""
+    def mm(a, b, want):
+        got = torch.mm(a, b, out_dtype=torch.float32)
+        return got.dtype == torch.float32 and (not exact or torch.equal(got.double(), want))
+
+    def addmm(a, b, want):
+        acc = torch.ones(a.size(0), b.size(1), dtype=torch.float32, device=a.device)
+        got = torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+        return got.dtype == torch.float32 and (not exact or torch.equal(got.double(), want.to(got.device) + 1))
+
+    return Fp32Output(_computes(lambda: all(mm(*p) for p in probes)), _computes(lambda: all(addmm(*p) for p in probes)))
 
 
 def fake_fp32_output_gemm(a: torch.Tensor) -> Fp32Output:
@@ -57,38 +85,21 @@ def fake_fp32_output_gemm(a: torch.Tensor) -> Fp32Output:
     exist without a fake kernel (torch 2.11 decomposes ``addmm.dtype_out`` into an error)."""
     key = (a.device.type, a.dtype)
     if key not in _FAKE_TRIED:
-        with _disable_current_modes(), a.fake_mode:  # the probe is not the step's: no tracker sees it
-            one = torch.ones(1, 1, dtype=a.dtype, device=a.device)
-
-            def add_into_fp32():
-                acc = torch.ones(1, 1, dtype=torch.float32, device=a.device)
-                return torch.addmm(acc, one, one, out_dtype=torch.float32, out=acc)
-
-            _FAKE_TRIED[key] = Fp32Output(_runs(lambda: torch.mm(one, one, out_dtype=torch.float32)),
-                                          _runs(add_into_fp32))
+        with _disable_current_modes():  # the probe is not the step's: no tracker sees it
+            probes = _probes(a.dtype, torch.device("cpu"))
+        with _disable_current_modes(), a.fake_mode:
+            fake = [tuple(a.fake_mode.from_tensor(t).to(a.device) for t in p) for p in probes]
+            _FAKE_TRIED[key] = _fp32_output(fake, exact=False)
     return _FAKE_TRIED[key]
 
 
-def _gives_two(op) -> bool:
-    try:
-        return bool(op().item() == 2.0)
-    except (RuntimeError, TypeError, NotImplementedError):  # no such overload, or no kernel here
-        return False
-
-
 def fp32_output_gemm(device: torch.device, dtype: torch.dtype) -> Fp32Output:
-    """Which of the fp32-output GEMMs this torch computes for ``dtype`` inputs on ``device``'s
-    type, tried once per device type and dtype on 1x1 ones (1 * 1 + 1)."""
+    """Which of the fp32-output GEMMs this torch computes exactly for ``dtype`` inputs on
+    ``device``'s type, tried once per device type and dtype at :data:`PROBE_SHAPE` in both
+    layouts of each operand."""
     key = (device.type, dtype)
     if key not in _TRIED:
-        one = torch.ones(1, 1, dtype=dtype, device=device)
-
-        def add_into_fp32():
-            acc = torch.ones(1, 1, dtype=torch.float32, device=device)
-            return torch.addmm(acc, one, one, out_dtype=torch.float32, out=acc)
-
-        found = Fp32Output(_gives_two(lambda: torch.mm(one, one, out_dtype=torch.float32) + 1),
-                           _gives_two(add_into_fp32))
+        found = _fp32_output(_probes(dtype, device), exact=True)
         if device.type != "cpu" and not found.mm:
             warnings.warn(f"this torch has no {dtype} GEMM with an fp32 output on {device.type}: TSP's sums cast "
                           "their inputs to fp32 and run fp32 GEMMs (slow); torch >= 2.8 has them", stacklevel=2)
