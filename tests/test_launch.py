@@ -155,20 +155,26 @@ def test_a_launcher_killed_with_sigkill_leaves_no_process():
         subprocess.run(["pkill", "-KILL", "-s", str(proc.pid)], check=False)
 
 
-def test_where_there_are_gpus_the_fork_server_preloads_no_megatron(monkeypatch):
+@pytest.mark.parametrize("node,preloaded", [("/dev/nvidiactl", ["megatron_tsp.run.fork_server", "torch"]),
+                                             ("/dev/kfd", ["megatron_tsp.run.fork_server"])], ids=["nvidia", "amd"])
+def test_where_there_are_gpus_the_fork_server_preloads_no_megatron(monkeypatch, node, preloaded):
     """megatron-core's imports ask torch whether CUDA is available, which poisons every later
     fork for CUDA: on a GPU machine the ranks' fork server must not import it (found on an H200:
-    'Cannot re-initialize CUDA in forked subprocess' at every rank's set_device)."""
+    'Cannot re-initialize CUDA in forked subprocess' at every rank's set_device). On ROCm it
+    imports no torch either: a ROCm torch loads the HIP runtime, whose state does not survive
+    a fork."""
     from multiprocessing import forkserver
 
     from megatron_tsp.run import launch
 
     saved = list(forkserver._forkserver._preload_modules)
+    exists = os.path.exists
     try:
-        monkeypatch.setattr(launch, "_GPU_NODES", (os.path.abspath(__file__),))
+        monkeypatch.setattr(launch.os.path, "exists", lambda path: path == node or exists(path))
         launch._context()
-        assert forkserver._forkserver._preload_modules == ["megatron_tsp.run.fork_server", "torch"]
-        monkeypatch.setattr(launch, "_GPU_NODES", ("/nonexistent/nvidiactl",))
+        assert forkserver._forkserver._preload_modules == preloaded
+        monkeypatch.setattr(launch.os.path, "exists", lambda path: path not in ("/dev/kfd", "/dev/nvidiactl",
+                                                                                  "/dev/dxg") and exists(path))
         launch._context()
         assert "megatron.core.models.gpt" in forkserver._forkserver._preload_modules
     finally:

@@ -415,23 +415,30 @@ def _worker(rank: int, world_size: int, port: int, conn: Connection, path: List[
 
 # What every rank imports: loaded once by the fork server, so that a worker starts as a fork
 # of it in a fraction of a second instead of importing torch and megatron-core on its own;
-# fork_server first, which takes the server out of the terminal's reach. Where there are GPUs
-# the server loads torch only: megatron-core's imports ask torch whether CUDA is available,
-# and torch's answer (cudaGetDeviceCount) marks every later fork as unable to use CUDA.
+# fork_server first, which takes the server out of the terminal's reach. Where there are
+# NVIDIA GPUs the server loads torch only: megatron-core's imports ask torch whether CUDA is
+# available, and torch's answer (cudaGetDeviceCount) marks every later fork as unable to use
+# CUDA. Where there are AMD GPUs it loads no torch: a ROCm build of torch loads the HIP
+# runtime with it, whose state made at load does not survive a fork, so each rank imports
+# torch itself after the fork (seconds more at start, side by side).
 _PRELOAD = ["megatron_tsp.run.fork_server", "torch", "torch.distributed", "megatron.core.parallel_state",
             "megatron.core.models.gpt"]
-_PRELOAD_WITH_GPUS = _PRELOAD[:2]
 # Device nodes of NVIDIA's, AMD's (ROCm) and WSL's GPU drivers: looked at instead of asking torch,
 # which the launcher has not imported when it starts the server.
-_GPU_NODES = ("/dev/nvidiactl", "/dev/kfd", "/dev/dxg")
+_PRELOAD_WHERE = (("/dev/kfd", _PRELOAD[:1]), ("/dev/nvidiactl", _PRELOAD[:2]), ("/dev/dxg", _PRELOAD[:2]))
+
+
+def preloaded() -> List[str]:
+    """What the ranks' fork server imports before it forks them, on this machine."""
+    return next((modules for node, modules in _PRELOAD_WHERE if os.path.exists(node)), _PRELOAD)
 
 
 def _context():
-    """A fork server with torch (and, without GPUs, megatron-core) preloaded. Forking the
+    """A fork server with what every rank imports preloaded (:func:`preloaded`). Forking the
     caller instead would copy whatever threads and state it has (pytest's, a CLI's); the fork
     server is a clean process, started once per launcher."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD_WITH_GPUS if any(map(os.path.exists, _GPU_NODES)) else _PRELOAD)
+    ctx.set_forkserver_preload(preloaded())
     return ctx
 
 
