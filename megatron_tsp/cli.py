@@ -192,10 +192,10 @@ def rank_environment(args) -> Dict[str, str]:
 def _cmd_train(ns: argparse.Namespace) -> int:
     from megatron_tsp.run import launch
 
+    path, _, args = _resolve(ns)  # a bad config is one line before anything is started or imported
     launch.start_importing()
     from megatron_tsp.run import checkpointing, config, data, preflight
 
-    path, _, args = _resolve(ns)
     if not args.exit_signal_handler:
         launch.terminate_on_sigterm()  # main noted SIGTERM until the config said what it means
     log_path = ns.log_json or os.path.join("runs", os.path.splitext(os.path.basename(path))[0], "log.jsonl")

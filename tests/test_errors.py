@@ -458,3 +458,25 @@ def test_saving_over_another_runs_checkpoints_is_refused(capsys, tmp_path):
     (ckpt / checkpointing.TRACKER).write_text("20")
     line = one_line(capsys, ["train", TINY, "--mock-data", "--save", str(ckpt)])
     assert f"--save {ckpt} holds checkpoints up to iteration 20 of another run" in line and "--load" in line
+
+
+def test_a_bad_config_for_train_is_one_line_before_the_ranks_start_importing(capsys, monkeypatch):
+    """`train` with a config error printed its line only once the ranks' fork server, started
+    first to import torch and megatron-core beside the launcher, had done so (8-88 s under
+    load; `megatron-tsp args` prints it in 0.3 s): the config is checked first."""
+    from megatron_tsp.run import launch
+
+    started = []
+    monkeypatch.setattr(launch, "start_importing", lambda: started.append(True))
+    line = one_line(capsys, ["train", TINY, "--num-attention-heads", "3"])
+    assert "num_attention_heads" in line and not started
+
+
+def test_calibrate_names_its_own_flags():
+    """calibrate and bench take the TSP size from their config: a --seq it does not divide
+    named a --tsp-size flag they do not have."""
+    from megatron_tsp.measure import bench
+
+    with pytest.raises(config.ConfigError) as err:
+        bench.check_setup(config.load_config(os.path.join(ROOT, "configs", "bench-cpu.yaml")), [127], ["tsp"], 2)
+    assert str(err.value).startswith("--seq 127 is not divisible by 2 x the config's tsp_size")

@@ -306,3 +306,20 @@ def test_packed_documents_are_read_from_the_host_copy_of_the_tokens(monkeypatch)
 
     step.make_forward_step(documents_eod=7)(iter([batch]), model)
     assert seen["cu_seqlens"] == [0, 6, 16] and "host_tokens" not in batch
+
+
+def test_a_resume_at_another_sequence_length_or_seed_says_what_it_does():
+    """A resume with another --seq-length (a long-context extension) or --seed was accepted
+    without a word: the data position carries over in samples, the random state is the
+    checkpoint's, and the corpus order is --seed's."""
+    from types import SimpleNamespace
+
+    from megatron_tsp.run.loop import resume_notes
+
+    common = {"iteration": 3, "global_batch_size": 8, "data": {"seq_length": 64, "seed": 1234}}
+    args = SimpleNamespace(seq_length=64, seed=1234, global_batch_size=8, micro_batch_size=4)
+    assert resume_notes(args, "ckpt", common) == []
+    assert resume_notes(args, "ckpt", {"iteration": 3, "global_batch_size": 8}) == []  # saved before: no record
+    longer, seeded = resume_notes(SimpleNamespace(**{**vars(args), "seq_length": 256, "seed": 7}), "ckpt", common)
+    assert "--seq-length 64, this run has 256" in longer and "after the 24 samples trained" in longer
+    assert "--seed 1234, this run has 7" in seeded and "resume with --seed 1234" in seeded

@@ -122,9 +122,9 @@ def check_setup(values: Dict, seqs: List[int], modes: List[str], nproc: int) -> 
         for name in modes:
             try:
                 cfg.sizes(_args(values, name, seq), nproc, "--nproc")
-            except cfg.ConfigError as exc:  # the sequence length is --seq's here, not the config's
-                raise cfg.ConfigError(str(exc).replace(f"{cfg.named('seq_length')} {seq}", f"--seq {seq}")) \
-                    from None
+            except cfg.ConfigError as exc:  # the sequence length is --seq's here; the sizes are the config's
+                raise cfg.ConfigError(str(exc).replace(f"{cfg.named('seq_length')} {seq}", f"--seq {seq}")
+                                      .replace("--tsp-size", "the config's tsp_size")) from None
 
 
 def _grid(values: Dict, seqs: List[int], modes: List[str], repeats: int, steps: int, warmup: int, runner,

@@ -15,6 +15,7 @@ import json
 import math
 import os
 import signal
+import sys
 import time
 from typing import Any, Dict, List, Optional
 
@@ -185,6 +186,23 @@ def check_resume(args, path: str, common: Dict[str, Any]) -> None:
                               "--use-checkpoint-opt-param-scheduler to keep the checkpoint's")
 
 
+def resume_notes(args, path: str, common: Dict[str, Any]) -> List[str]:
+    """What a resume does with a sequence length or seed other than the checkpoint's (a
+    longer sequence is a legitimate long-context extension): one line each, said at load."""
+    saved, notes = common.get("data", {}), []
+    position = common["iteration"] * common.get("global_batch_size", _global_batch(args))
+    if saved.get("seq_length") not in (None, args.seq_length):
+        notes.append(f"checkpoint {path} was trained at --seq-length {saved['seq_length']}, this run has "
+                     f"{args.seq_length}: the weights carry over, and the data resumes after the {position} samples "
+                     f"trained, now read {args.seq_length} tokens each")
+    if saved.get("seed") not in (None, args.seed):
+        notes.append(f"checkpoint {path} was trained with --seed {saved['seed']}, this run has {args.seed}: the random "
+                     "state is the checkpoint's, and the corpus is shuffled by --seed, so the rest of the run reads "
+                     f"another order from sample {position} on (some samples again, some never); resume with "
+                     f"--seed {saved['seed']} to go on in the same order")
+    return notes
+
+
 def optimizer_args(args, path: Optional[str]):
     """The arguments to build the optimizer with: ``args``, or on a resume from ``path`` with
     the LR range the checkpoint's optimizer groups were saved with (megatron-core 0.19 finds a
@@ -214,6 +232,8 @@ def resume(args, device: Device, path: Optional[str], model, optimizer, schedule
         _set_rng_state(device, rng)
     if dist.get_rank() == 0:
         print(f" loaded checkpoint {path} at iteration {common['iteration']}", flush=True)
+        for note in resume_notes(args, path, common):
+            print(f"megatron-tsp train: note: {note}", file=sys.stderr, flush=True)
     return common["iteration"]
 
 
@@ -226,7 +246,7 @@ def save(args, device: Device, done: int, model, optimizer, scheduler) -> None:
     path = checkpointing.save_iteration(
         args.save, done, model, optimizer,
         common={"iteration": done, "scheduler": scheduler.state_dict(), "model_args": model_args(args),
-                "global_batch_size": _global_batch(args)},
+                "global_batch_size": _global_batch(args), "data": {"seq_length": args.seq_length, "seed": args.seed}},
         per_rank=_rng_state(device))
     if dist.get_rank() == 0:
         print(f" saved checkpoint {path}", flush=True)
