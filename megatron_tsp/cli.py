@@ -87,6 +87,20 @@ def _cluster_flags(parser: argparse.ArgumentParser, modes: str) -> None:
     _fused_norm_flag(parser)
 
 
+def _runnable_modes(ns: argparse.Namespace, command: str) -> None:
+    """Drop from ``ns.modes`` those the config's model cannot run, each said in a line; one
+    ConfigError line where none is left."""
+    from megatron_tsp.run import config, modes
+
+    values = config.load_config(ns.config)
+    values.update(config.overrides(ns))
+    ns.modes, skipped = modes.runnable(values, ns.modes, ns.cp)
+    if not ns.modes:
+        raise ConfigError(skipped[0])
+    for line in skipped:
+        print(f"megatron-tsp {command}: note: {line}", file=sys.stderr, flush=True)
+
+
 def _resolve(ns: argparse.Namespace):
     from megatron_tsp.run import config
 
@@ -276,6 +290,7 @@ def _cmd_memory(ns: argparse.Namespace) -> int:
     _check_outputs(json=ns.json, plot=ns.plot)
     if ns.plot:
         figures.pyplot("--plot")
+    _runnable_modes(ns, "memory")
     result = memory.plan_modes(ns.config, ns.modes, world_size=ns.world_size, cp=ns.cp,
                                overrides=config.overrides(ns), per_layer=ns.per_layer, fused_norm=ns.fused_norm,
                                largest=ns.largest, by_op=ns.bytes_by_op)
@@ -316,6 +331,7 @@ def _cmd_predict(ns: argparse.Namespace) -> int:
     hw = perfmodel.load_hardware(ns.hardware)
     if ns.link:
         hw = hw.at_link(ns.link)
+    _runnable_modes(ns, "predict")
     result = perfmodel.predict(ns.config, hw, ns.nodes, ns.modes, ns.cp, ns.sweep, config.overrides(ns),
                                fused_norm=ns.fused_norm)
     print(perfmodel.table(result))
@@ -350,6 +366,7 @@ def _cmd_plan(ns: argparse.Namespace) -> int:
     if ns.out and ns.grid:
         figures.pyplot("--grid")
     hw = perfmodel.load_hardware(ns.hardware)
+    _runnable_modes(ns, "plan")
     result = plan.plan(ns.config, hw, ns.nodes, ns.modes, ns.cp, ns.scenario, ns.grid, config.overrides(ns),
                        fused_norm=ns.fused_norm)
     text = plan.table(result)

@@ -480,3 +480,21 @@ def test_calibrate_names_its_own_flags():
     with pytest.raises(config.ConfigError) as err:
         bench.check_setup(config.load_config(os.path.join(ROOT, "configs", "bench-cpu.yaml")), [127], ["tsp"], 2)
     assert str(err.value).startswith("--seq 127 is not divisible by 2 x the config's tsp_size")
+
+
+def test_a_mode_the_model_cannot_run_is_skipped_and_said(capsys):
+    """plan/predict/memory on the shipped Mixtral and OLMoE configs stopped at the default mode
+    list's ring MLP, which has no experts: that mode is skipped, in a line; a list of only such
+    modes is the one line it was."""
+    import argparse
+
+    for model in ("mixtral-8x7b", "olmoe"):
+        ns = argparse.Namespace(config=os.path.join(ROOT, "configs", model, "128k-tsp8.yaml"), cp=2,
+                                modes=["tsp", "tp-sp", "tp-sp-ring", "tp-cp"])
+        cli._runnable_modes(ns, "plan")
+        assert ns.modes == ["tsp", "tp-sp", "tp-cp"]
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("megatron-tsp plan: note: mode tp-sp-ring skipped: 'ring_mlp'")
+    line = one_line(capsys, ["predict", os.path.join(ROOT, "configs", "olmoe", "128k-tsp8.yaml"), "--hardware", H100,
+                             "--modes", "tp-sp-ring"])
+    assert "ring_mlp" in line and "num_experts" in line

@@ -14,7 +14,7 @@ against (:data:`REFERENCE` first).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Optional, Tuple, Union
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
@@ -168,6 +168,22 @@ def check_layouts(values: Dict, names, world_size: Optional[int], cp: int, sourc
                           "it, or use a config that does (configs/7b/128k-tsp8.yaml)")
     for name in names:
         config.sizes(get_mode(name).args(values, cp), world_size, source)
+
+
+def runnable(values: Dict, names, cp: int) -> Tuple[List[str], List[str]]:
+    """The modes of ``names`` the model of ``values`` can run, and a line for each it cannot
+    (a ring MLP in a mixture-of-experts model, say): a comparison's default list of modes
+    is not a request for each of them."""
+    keep, skipped = [], []
+    for name in names:
+        mode = get_mode(name)
+        try:
+            mode.args(values, cp)
+        except ConfigError as exc:
+            skipped.append(f"mode {name} skipped: {exc}")
+            continue
+        keep.append(name)
+    return keep, skipped
 
 
 def of(args) -> Mode:
