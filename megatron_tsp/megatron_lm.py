@@ -201,6 +201,10 @@ def translate_argv(argv: List[str]) -> List[str]:
     if tsp == 1:
         return list(argv)
 
+    world = os.environ.get("WORLD_SIZE")  # torchrun's processes: the size is checked before the model's shapes
+    if world is not None and int(world) % tsp:
+        raise SystemExit(f"--tsp-size {tsp} does not divide the {world} processes torchrun started (WORLD_SIZE); "
+                         "use a divisor of it, or start a multiple of it")
     # the flags on the command line, checked before Megatron-LM parses them
     for message in violations(_given(argv), tsp, ("layout", "all", "attention", "mlp", "launch")):
         raise SystemExit(message)

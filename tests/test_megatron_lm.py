@@ -267,6 +267,21 @@ def test_rendered_configs_parse_with_megatron_lm(model, name):
         assert tsp == "1" and spec == "None"
 
 
+def test_a_bad_flag_under_torchrun_is_its_line_and_the_rank_that_exited():
+    """Under torchrun every bad flag printed its line per rank, then torchrun's 40-70-line
+    ChildFailedError traceback; --tsp-size 3 on 2 processes spoke of 4 heads not divisible by
+    3, never of the world size. megatron_tsp.run.torchrun (the launch README and the Slurm
+    scripts use) ends with a line naming the ranks' exit codes."""
+    env = dict(os.environ, MEGATRON_LM_PATH=MEGATRON_LM, OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-m", "megatron_tsp.run.torchrun", "--standalone", "--nproc-per-node", "2",
+                          os.path.join(ROOT, "scripts", "pretrain_gpt_tsp.py"), *MODEL, "--tsp-size", "3"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert "--tsp-size 3 does not divide the 2 processes torchrun started" in out.stderr
+    assert "Traceback" not in out.stderr and "ChildFailedError" not in out.stderr, out.stderr[-3000:]
+    assert "megatron_tsp.run.torchrun: rank 0 exited 1, rank 1 exited 1" in out.stderr
+
+
 CONNECTIONS = r"""
 import json, os, sys
 from megatron_tsp import megatron_lm

@@ -7,7 +7,9 @@ rank saved a checkpoint and exited 0 (``--exit-signal-handler``), and Slurm's re
 reads that as a failure. Here the agent is told not to handle SIGTERM (torchrun's
 ``--signals-to-handle``, torch >= 2.9); this process passes it on to the ranks and goes on
 waiting, so the job ends as its ranks do: 0 after they saved. SIGINT, SIGHUP and SIGQUIT
-stay torchrun's. With an older torch this is torchrun unchanged, and says so.
+stay torchrun's. With an older torch this is torchrun unchanged, and says so. A rank that
+fails has printed its own error: the job exits with its code and a line naming it, not
+torchrun's traceback of the agent.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import List, Optional
 
 import psutil
 from torch.distributed import run
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 KEEP = "SIGINT,SIGHUP,SIGQUIT"  # torchrun's default set without SIGTERM
 
@@ -38,7 +41,12 @@ def main(argv: Optional[List[str]] = None) -> None:
     elif not any(arg.startswith(("--signals-to-handle", "--signals_to_handle")) for arg in argv):
         argv = ["--signals-to-handle", KEEP] + argv
         signal.signal(signal.SIGTERM, pass_on)
-    run.main(argv)
+    try:
+        run.main(argv)
+    except ChildFailedError as exc:  # each rank printed its own error: their exit codes, not torchrun's traceback
+        codes = ", ".join(f"rank {rank} exited {f.exitcode}" for rank, f in sorted(exc.failures.items()))
+        print(f"megatron_tsp.run.torchrun: {codes} (their output is above)", file=sys.stderr)
+        sys.exit(next(iter(exc.failures.values())).exitcode or 1)
 
 
 if __name__ == "__main__":
