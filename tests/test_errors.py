@@ -356,7 +356,7 @@ def test_memory_checks_before_planning(capsys, flags, message):
 
 @pytest.mark.parametrize("flags,message", [
     (["--modes", "tsp,fsdp"], "--modes: unknown mode(s) fsdp"),
-    (["--seq", "66"], "--seq 66 is not divisible by 2 x --tsp-size = 4"),  # named --seq-length, not a flag here
+    (["--seq", "66"], "--seq 66 is not divisible by 2 x the config's tsp_size = 4"),  # not --seq-length or --tsp-size
     (["--nproc", "3"], "world size 3 (--nproc)"),
     (["--reprice", LINK_RESULT], "--reprice needs --hardware PROFILE.yaml"),
     (["--reprice", os.path.join(ROOT, "bench", "results", "bench-cpu-2rank-2k-4k.json"), "--hardware", H100],
@@ -378,7 +378,7 @@ def test_repricing_a_foreign_json_is_one_line(capsys, tmp_path, content):
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--seq", "3"], "--seq 3 is not divisible by 2 x --tsp-size = 4"),
+    (["--seq", "3"], "--seq 3 is not divisible by 2 x the config's tsp_size = 4"),
     (["--seq", "1000000000"], "--seq 1000000000: 2 ranks need 22888.2 GiB for calibrate's kernels"),  # allocated
 ])
 def test_calibrate_checks_before_starting_ranks(capsys, tmp_path, flags, message):

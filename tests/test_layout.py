@@ -17,8 +17,8 @@ ALLOWED = {
     "env": {"device"},
     "errors": set(),
     "versions": set(),
-    "megatron_lm": {"core", "env", "versions"},
-    "megatron_lm_run": {"device", "run", "versions"},
+    "megatron_lm": {"core", "env", "run", "versions"},  # run: the modes' launch environment, named rewrites
+    "megatron_lm_run": {"device", "megatron_lm", "run", "versions"},
     "cli": {"core", "run", "measure", "device", "env", "errors", "versions"},
     "__init__": set(),  # names only, imported lazily by string
 }

@@ -64,6 +64,12 @@ def numel(tensors: Sequence[torch.Tensor]) -> int:
     return sum(t.numel() for t in tensors)
 
 
+def fp32_flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """An uninitialised flat fp32 buffer of ``tensors``' elements (a shard's gradient
+    accumulator), on their device."""
+    return torch.empty(numel(tensors), dtype=torch.float32, device=tensors[0].device)
+
+
 def pack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.cat([t.reshape(-1) for t in tensors])
 
@@ -146,7 +152,7 @@ class WeightBroadcast:
         self._arriving.pop(r, None)
 
     def grad_buffer(self) -> torch.Tensor:
-        return torch.empty(numel(self.own), dtype=torch.float32, device=self.own[0].device)
+        return fp32_flat(self.own)
 
     def reduce(self, r: int, flat: torch.Tensor) -> None:
         if self.size == 1:
@@ -246,7 +252,7 @@ class WeightRing:
             if self._acc_out is not None:
                 sends.append((self._acc_out, 1))
             if t >= 2:
-                acc_in = torch.empty(numel(self.own), dtype=torch.float32, device=self.own[0].device)
+                acc_in = fp32_flat(self.own)
                 recvs.append((acc_in, -1))
         works = _exchange(self.group, sends, recvs, self.inflight)
         if incoming is not None:
@@ -268,7 +274,7 @@ class WeightRing:
     def last_hop(self) -> None:
         """Backward, after step D-1: the finished accumulator to its owner, this rank's own in."""
         if self.size > 1:
-            acc_in = torch.empty(numel(self.own), dtype=torch.float32, device=self.own[0].device)
+            acc_in = fp32_flat(self.own)
             self._acc_in = (acc_in, _exchange(self.group, [(self._acc_out, 1)], [(acc_in, -1)], self.inflight))
             self._acc_out = self.current = None  # the last shard that came in: the own step needs none
 
@@ -293,7 +299,7 @@ class WeightRing:
         write it). Steps 0 and 1 start a buffer; later steps add into the accumulator that
         arrives from p-1 (waited for here). Call :meth:`finish_grad` when written."""
         if self.size == 1 or t <= 1:
-            return torch.empty(numel(self.own), dtype=torch.float32, device=self.own[0].device), False
+            return fp32_flat(self.own), False
         acc_in, works = self._acc_in
         self.inflight.wait(works)
         self._acc_in = None

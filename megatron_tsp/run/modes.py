@@ -175,6 +175,8 @@ def runnable(values: Dict, names, cp: int) -> Tuple[List[str], List[str]]:
     (a ring MLP in a mixture-of-experts model, say): a comparison's default list of modes
     is not a request for each of them."""
     keep, skipped = [], []
+    if ParallelSizes.of(values).within_a_stage == 1:  # no layout at all: check_layouts says so
+        return list(names), skipped
     for name in names:
         mode = get_mode(name)
         try:

@@ -44,9 +44,11 @@ def main(argv: Optional[List[str]] = None) -> None:
     try:
         run.main(argv)
     except ChildFailedError as exc:  # each rank printed its own error: their exit codes, not torchrun's traceback
+        first, failure = exc.get_first_failure()
         codes = ", ".join(f"rank {rank} exited {f.exitcode}" for rank, f in sorted(exc.failures.items()))
-        print(f"megatron_tsp.run.torchrun: {codes} (their output is above)", file=sys.stderr)
-        sys.exit(next(iter(exc.failures.values())).exitcode or 1)
+        print(f"megatron_tsp.run.torchrun: rank {first} failed first ({codes}; their output is above)",
+              file=sys.stderr)
+        sys.exit(failure.exitcode if failure.exitcode > 0 else 1)
 
 
 if __name__ == "__main__":
