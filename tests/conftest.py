@@ -36,15 +36,31 @@ def ranks():
     _POOLS.clear()
 
 
+def pytest_addoption(parser):
+    parser.addoption("--full", action="store_true",
+                     help="the full matrix (CI): also the tests marked full, beyond each guarantee's representative")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "full: more of a matrix whose representative runs in the default tier; "
+                                       "run with --full (.ci/run does)")
+
+
 @pytest.hookimpl(trylast=True)  # after -k/-m deselected what they deselect
 def pytest_collection_modifyitems(session, config, items):
-    """Work a selected test module can do in a process of its own (its
-    ``start_in_background()``) starts now and runs beside the tests before it."""
+    """The default tier leaves out the tests marked ``full`` (``--full`` keeps them). Work a
+    selected test module can do in a process of its own (its ``start_in_background(items)``,
+    given its selected tests) starts now and runs beside the tests before it."""
+    if not config.getoption("--full"):
+        deselected = [item for item in items if item.get_closest_marker("full")]
+        if deselected:
+            config.hook.pytest_deselected(items=deselected)
+            items[:] = [item for item in items if not item.get_closest_marker("full")]
     if config.option.collectonly:
         return
     for module in {item.module for item in items}:
         if hasattr(module, "start_in_background"):
-            module.start_in_background()
+            module.start_in_background([item for item in items if item.module is module])
 
 
 def processes(session=None, group=None):

@@ -48,11 +48,25 @@ def _compiler() -> bool:
     return shutil.which(os.environ.get("CXX", "c++")) is not None
 
 
-def start_in_background() -> None:
-    """Called by conftest once these tests are selected: the fake-CUDA process (a compile
-    and ~30 planned steps, in a process of its own) runs beside the tests before them."""
+SEVEN_B_STEPS = [dict(config=SEVEN_B, mode=m, overrides={"num_layers": 2}) for m in ("tsp", "tp")]
+
+
+def _cases(items) -> list:
+    """The cases the selected tests read (all of them where none were given)."""
+    if items is None:
+        return list(CASES)
+    wanted = [item.callspec.params["case"] for item in items if hasattr(item, "callspec")]
+    if any(item.name == "test_tsp_needs_less_memory_at_long_context" for item in items):
+        wanted += [c for c in SEVEN_B_STEPS if c not in wanted]
+    return wanted
+
+
+def start_in_background(items=None) -> None:
+    """Called by conftest with the selected tests: the fake-CUDA process (a compile and a
+    planned step per case they read, in a process of its own) runs beside the tests before
+    them."""
     if _compiler() and not _STARTED:
-        _STARTED.append(concurrent.futures.ThreadPoolExecutor(1).submit(fake_cuda.run, CASES))
+        _STARTED.append(concurrent.futures.ThreadPoolExecutor(1).submit(fake_cuda.run, _cases(items)))
 
 
 @pytest.fixture(scope="module")
@@ -63,12 +77,19 @@ def results():
     return {_key(r["case"]): r for r in _STARTED[0].result()}
 
 
-@pytest.mark.parametrize("case", CASES, ids=[f"{os.path.basename(c['config'])}-{c['mode']}-{c.get('backend', 'auto')}"
-                                             + ("-rocm" if c.get("rocm") else "")
-                                             + ("-window" if "window_size" in c.get("overrides", {}) else "")
-                                             + ("-fp32" if c.get("overrides", {}).get("bf16") is False else "")
-                                             + ("-documents" if c.get("op") else "")
-                                             for c in CASES])
+# the default tier's: a TSP step on the flash kernel, and packed documents through both varlen forms
+REPRESENTATIVES = [dict(config=TINY, mode="tsp", backend="flash", overrides=ODD)] + [
+    c for c in CASES if c.get("op") == "documents"]
+
+
+def _id(c) -> str:
+    return (f"{os.path.basename(c['config'])}-{c['mode']}-{c.get('backend', 'auto')}"
+            + ("-rocm" if c.get("rocm") else "") + ("-window" if "window_size" in c.get("overrides", {}) else "")
+            + ("-fp32" if c.get("overrides", {}).get("bf16") is False else "") + ("-documents" if c.get("op") else ""))
+
+
+@pytest.mark.parametrize("case", [c if c in REPRESENTATIVES else pytest.param(c, marks=pytest.mark.full)
+                                  for c in CASES], ids=[_id(c) for c in CASES])
 def test_a_gpu_training_step_runs(results, case):
     result = results[_key(case)]
     assert result["error"] is None, result["traceback"]
@@ -102,6 +123,7 @@ def test_a_gpu_process_never_enables_the_cpu_shims(results):
     assert results[_key("cpu shims")]["error"] is None
 
 
+@pytest.mark.full
 def test_tsp_needs_less_memory_at_long_context(results):
     peak = {m: results[_key(dict(config=SEVEN_B, mode=m, overrides={"num_layers": 2}))]["peak_gib"]
             for m in ("tsp", "tp")}
