@@ -182,7 +182,7 @@ def prepare_launch(argv: List[str]) -> None:
 
 @lru_cache(maxsize=None)
 def _exempt_tsp_from_the_connections_check() -> None:
-    TSP_CONNECTIONS.apply()
+    TSP_CONNECTIONS.install()
 
 
 def translate_argv(argv: List[str]) -> List[str]:

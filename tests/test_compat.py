@@ -65,7 +65,7 @@ def test_a_moved_upstream_line_fails_loudly():
     # (a function no shim rewrites: other tests may have enabled the shims in this process)
     shim = compat.Rewrite("megatron.core.utils", "divide", (("no such text", ""),), "utils.py")
     try:
-        shim.apply()
+        shim.install()
     except RuntimeError as exc:
         assert "not supported on CPU" in str(exc)
     else:

@@ -22,8 +22,9 @@ ring-flash-attention's ``RingComm`` does:
 The first transfer of a layer's stream may already be in flight when the layer starts: the
 layer before it started it during its last stage (:mod:`megatron_tsp.core.prefetch`). A
 stream holds the shards in flight (``lookahead`` ahead of the one in use in the forward,
-``lookahead + 1`` in the backward) and the one in use; the attention backward also keeps the previous head group's until its weight
-gradients, which wait for its dK/dV, are formed (docs/design.md section 9).
+``lookahead + 1`` in the backward) and the one in use; the attention backward also keeps the
+previous head group's until its weight gradients, which wait for its dK/dV, are formed
+(docs/design.md section 9).
 """
 
 from __future__ import annotations

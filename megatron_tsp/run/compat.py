@@ -57,7 +57,7 @@ class Rewrite:
     def applies(self) -> bool:
         return not self.versions or versions.mcore() in self.versions
 
-    def apply(self) -> None:
+    def install(self) -> None:
         if not self.applies():
             return
         mod = importlib.import_module(self.module)
@@ -94,7 +94,7 @@ class RewriteEach:
     replacements: Tuple[Tuple[str, str], ...]
     versions: Tuple[Tuple[int, int], ...] = ()
 
-    def apply(self) -> None:
+    def install(self) -> None:
         if self.versions and versions.mcore() not in self.versions:
             return
         mod = importlib.import_module(self.module)
@@ -106,7 +106,7 @@ class RewriteEach:
                 continue
             hits = tuple((old, new) for old, new in self.replacements if old in src)
             if hits:
-                Rewrite(self.module, qualname, hits, self.module).apply()
+                Rewrite(self.module, qualname, hits, self.module).install()
                 found += 1
         if not found:
             raise RuntimeError(f"megatron_tsp.run.compat: none of {[old for old, _ in self.replacements]} in "
@@ -322,7 +322,7 @@ def fix_optimizer_checkpoints() -> None:
 
     if not _CHECKPOINTS_FIXED:
         for shim in (*BUCKET_SHIMS, *(() if HAVE_APEX_OR_TE else TORCH_ADAM_SHIMS)):
-            shim.apply()
+            shim.install()
         _CHECKPOINTS_FIXED = True
 
 
@@ -487,7 +487,7 @@ def enable_cpu_support() -> None:
     _patch_rng()
     _patch_torch_norm()
     for shim in SHIMS:
-        shim.apply()
+        shim.install()
     _ENABLED = True
 
 

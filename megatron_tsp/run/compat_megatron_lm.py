@@ -92,5 +92,5 @@ def enable_megatron_lm_cpu_support() -> None:
     torch.cuda.get_rng_state = _no_cuda_rng_state
     torch.cuda.set_rng_state = _set_no_cuda_rng_state
     for shim in TRAINING_SHIMS:
-        shim.apply()
+        shim.install()
     _ENABLED = True
