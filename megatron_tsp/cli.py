@@ -17,6 +17,7 @@ import os
 import shlex
 import signal
 import sys
+import time
 import traceback
 from typing import Dict, List, Optional
 
@@ -367,8 +368,13 @@ def _cmd_plan(ns: argparse.Namespace) -> int:
         figures.pyplot("--grid")
     hw = perfmodel.load_hardware(ns.hardware)
     _runnable_modes(ns, "plan")
+    started = time.monotonic()
+
+    def progress(line: str) -> None:
+        print(f"megatron-tsp plan: [{time.monotonic() - started:5.0f} s] {line}", file=sys.stderr, flush=True)
+
     result = plan.plan(ns.config, hw, ns.nodes, ns.modes, ns.cp, ns.scenario, ns.grid, config.overrides(ns),
-                       fused_norm=ns.fused_norm)
+                       fused_norm=ns.fused_norm, progress=progress)
     text = plan.table(result)
     if ns.out:
         _write_json(ns.out + ".json", result)

@@ -120,3 +120,26 @@ def test_what_the_planner_does_not_plan_of_experts_is_one_line(settings, flag, m
     moe = dict(TINY, num_experts=4, moe_router_topk=2, expert_model_parallel_size=2, **settings)
     with pytest.raises(ConfigError, match=message):
         memory.plan(moe, "tsp", **flag)
+
+
+def test_plan_says_what_it_plans_while_it_works(monkeypatch):
+    """plan printed nothing for minutes (547 s for the 7B at 128K on an idle 2-core machine):
+    each mode's start, with what it will plan, and each point before it is planned."""
+    from megatron_tsp.measure import perfmodel as model
+
+    def evaluate(values, mode, hw, world, cp, brief=False, fused_norm=True):  # peak grows with S: 64K fits
+        peak = values["seq_length"] / 1024
+        return {"peak_gib": peak, **{k: {"tokens_per_s_cluster": 1.0, "step_s": 1.0, "mfu": 0.5}
+                                     for k in model.SCENARIOS}}
+
+    monkeypatch.setattr(model, "evaluate", evaluate)
+    said = []
+    result = plan.plan(os.path.join(ROOT, "configs", "7b", "128k-tsp8.yaml"), H100, modes=["tsp", "tp-sp"],
+                       progress=said.append)
+    choices = len(plan.Planner({}, H100, 1, 2, "overlap").choices("tsp"))
+    assert said[0] == f"mode 1 of 2: tsp, the longest S that fits, then {choices} recompute choices at 1 length(s)"
+    assert said[1] == "point 1: tsp at S=131,072, recompute full"
+    points = [line for line in said if line.startswith("point ")]
+    assert len(points) == len({line.split(": ", 1)[1] for line in points})  # each point once
+    assert any(line.startswith("mode 2 of 2: tp-sp") for line in said)
+    assert result["modes"]["tsp"]["longest_seq_length"] < 131072

@@ -19,7 +19,7 @@ which megatron-core 0.16.1 runs only with TransformerEngine (see ``preflight``).
 from __future__ import annotations
 
 import copy
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 from megatron_tsp.core.sizes import DEFAULT_CP
 from megatron_tsp.env import run_record, shown_path
@@ -53,19 +53,23 @@ def usable_gib(hw: perfmodel.Hardware) -> float:
 
 
 class Planner:
-    """Memoised :func:`perfmodel.evaluate` of (mode, recompute choice, sequence length)."""
+    """Memoised :func:`perfmodel.evaluate` of (mode, recompute choice, sequence length);
+    ``progress``: told of each point before it is planned (a few fake steps each, seconds to
+    minutes at long S)."""
 
     def __init__(self, values: Dict, hw: perfmodel.Hardware, nodes: int, cp: int, scenario: str,
-                 fused_norm: bool = True):
+                 fused_norm: bool = True, progress: Optional[Callable[[str], None]] = None):
         self.values = {k: v for k, v in values.items() if k not in RECOMPUTE_KEYS}
         self.hw, self.world, self.cp, self.scenario = hw, nodes * hw.gpus_per_node, cp, scenario
         self.fused_norm = fused_norm
         self.limit = usable_gib(hw)
+        self.progress = progress or (lambda line: None)
         self._points: Dict = {}
 
     def point(self, mode: str, choice: str, seq: int) -> Dict:
         key = (mode, choice, seq)
         if key not in self._points:
+            self.progress(f"point {len(self._points) + 1}: {mode} at S={seq:,}, recompute {choice}")
             v = dict(cfg.at_seq_length(self.values, seq), **CHOICES[choice])
             r = perfmodel.evaluate(copy.deepcopy(v), mode, self.hw, self.world, self.cp, brief=True,
                                    fused_norm=self.fused_norm)
@@ -110,14 +114,18 @@ class Planner:
 
 def plan(config_path: str, hw: perfmodel.Hardware, nodes: int = 1, modes: List[str] = (SUBJECT,) + REFERENCES,
          cp: int = DEFAULT_CP, scenario: str = "overlap", grid: Optional[List[int]] = None,
-         overrides: Optional[Dict] = None, fused_norm: bool = True) -> Dict:
+         overrides: Optional[Dict] = None, fused_norm: bool = True,
+         progress: Optional[Callable[[str], None]] = None) -> Dict:
+    """For each mode the longest S that fits (bisection on the least-memory choice), every
+    recompute choice at the config's S and at each of ``grid``'s; ``progress`` is told of
+    each mode's start and each point planned."""
     values = cfg.load_config(config_path)
     values.update(overrides or {})
     if scenario not in perfmodel.SCENARIOS:
         raise cfg.ConfigError(f"--scenario {scenario!r}: use one of {', '.join(perfmodel.SCENARIOS)}")
     world = nodes * hw.gpus_per_node
     check_layouts(values, modes, world, cp, "--nodes x gpus_per_node")  # before the first (slow) plan
-    planner = Planner(values, hw, nodes, cp, scenario, fused_norm)
+    planner = Planner(values, hw, nodes, cp, scenario, fused_norm, progress)
     seq = cfg.resolve(values).seq_length
     result = {"setup": run_record(config=config_path), "config": shown_path(config_path), "hardware": hw.__dict__,
               "nodes": nodes, "scenario": scenario, "fused_norm": fused_norm, "seq_length": seq,
@@ -125,7 +133,9 @@ def plan(config_path: str, hw: perfmodel.Hardware, nodes: int = 1, modes: List[s
               "reserve": {"fraction": RESERVE_FRACTION, "gib": RESERVE_GIB}, "granularity": GRANULARITY,
               "not_applicable": {f"{m} {c}": why for m in modes for c, why in not_applicable(m).items()},
               "modes": {}}
-    for mode in modes:
+    for n, mode in enumerate(modes, 1):
+        planner.progress(f"mode {n} of {len(modes)}: {mode}, the longest S that fits, then {len(planner.choices(mode))}"
+                         f" recompute choices at {1 + len(grid or [])} length(s)")
         longest = planner.longest(mode, seq)
         result["modes"][mode] = {
             "longest_seq_length": longest, "longest_with": LEAST_MEMORY if longest else None,
