@@ -12,6 +12,7 @@ import time
 
 import psutil
 import pytest
+import tiers
 
 from megatron_tsp.run.launch import WorkerPool
 
@@ -51,6 +52,9 @@ def pytest_collection_modifyitems(session, config, items):
     """The default tier leaves out the tests marked ``full`` (``--full`` keeps them). Work a
     selected test module can do in a process of its own (its ``start_in_background(items)``,
     given its selected tests) starts now and runs beside the tests before it."""
+    for item in items:
+        if tiers.tier_of(item.nodeid) == "full":
+            item.add_marker(pytest.mark.full)
     if not config.getoption("--full"):
         deselected = [item for item in items if item.get_closest_marker("full")]
         if deselected:

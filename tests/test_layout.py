@@ -98,3 +98,21 @@ def test_committed_results_name_no_machines_folders():
                     text = f.read()
                 found += [f"{name}: {marker}" for marker in (ROOT, "/tmp/", "/home/", "/root/") if marker in text]
     assert not found, found
+
+
+def test_the_tiers_name_collected_tests():
+    """Every test or case tests/tiers.py names is collected (a renamed test would leave the
+    tier it was put in silently), and the default tier leaves something to --full."""
+    import subprocess
+    import sys
+
+    import tiers
+
+    out = subprocess.run([sys.executable, "-m", "pytest", "--co", "-q", "--full", "-p", "no:cacheprovider"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    collected = [line for line in out.stdout.splitlines() if line.startswith("tests/")]
+    assert len(collected) > 500, out.stdout[-2000:] + out.stderr[-2000:]
+    unmatched = [name for name in tiers.FULL + tiers.KEEP
+                 if not any(n == name or n.startswith(name + "[") or n.startswith(name + "::") for n in collected)]
+    assert not unmatched, unmatched
+    assert 0 < sum(tiers.tier_of(n) == "full" for n in collected) < len(collected)
