@@ -110,8 +110,10 @@ def quiet_import_noise() -> None:
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` "
                             "is deprecated", category=FutureWarning)
     warnings.filterwarnings("ignore", message="full scope is deprecated", category=UserWarning)
-    # megatron-core 0.19 imports absl.logging where it is installed, and says so where not
+    # megatron-core 0.19 imports absl.logging where it is installed, and says so where not;
+    # it warns of its MIMO model's config class when the class is defined (on import)
     warnings.filterwarnings("ignore", message="absl.logging is not installed", category=UserWarning)
+    warnings.filterwarnings("ignore", message="MimoModelConfig is experimental", category=UserWarning)
     # ... its advice for sequence parallelism, which `train` follows per mode (modes.Mode.device_max_connections)
     warnings.filterwarnings("ignore", message="When using sequence parallelism it is recommended to set the "
                             "environment variable CUDA_DEVICE_MAX_CONNECTIONS", category=UserWarning)
