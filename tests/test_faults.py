@@ -366,7 +366,11 @@ def test_sigterm_with_the_exit_signal_handler_saves_and_resumes_exactly(ranks, t
 def _everyone(session):
     """Every process of a job as Slurm signals a job step: the session and what it started."""
     procs = processes(session=session)
-    return procs + [c for p in procs for c in p.children(recursive=True) if c not in procs]
+    children = []
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):  # it ended while we looked
+            children += p.children(recursive=True)
+    return procs + [c for c in children if c not in procs]
 
 
 def _terminate(procs):
@@ -388,6 +392,18 @@ def test_sigterm_to_every_process_of_the_job_saves_and_exits_0(tmp_path):
     and the ranks at once. It ended with exit 1, "rank 0 exited with code 255"."""
     save = str(tmp_path / "ckpt")
     proc, out = _start_training(tmp_path, "--exit-signal-handler", "--save", save)
+    _terminate(_everyone(proc.pid))
+    out, err = _finish(proc, out)
+    _assert_saved_and_stopped(proc, out, err, save, first=3)
+
+
+def test_sigterm_to_every_process_while_checkpoints_are_written_saves_and_exits_0(tmp_path):
+    """Slurm's SIGTERM to every process of a job that has saved before: megatron-core's
+    checkpoint writers report to a queue served by a process of its own, which the signal
+    killed, and the save the stop asks for (or one under way) failed with BrokenPipeError
+    (exit 1). The save finishes, and the run stops as at any other time."""
+    save = str(tmp_path / "ckpt")
+    proc, out = _start_training(tmp_path, "--exit-signal-handler", "--save", save, "--save-interval", "1")
     _terminate(_everyone(proc.pid))
     out, err = _finish(proc, out)
     _assert_saved_and_stopped(proc, out, err, save, first=3)

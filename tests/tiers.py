@@ -73,6 +73,7 @@ FULL = [
     "tests/test_faults.py::test_ctrl_c_exits_130_with_one_line_and_leaves_no_process",
     "tests/test_faults.py::test_sigterm_with_the_exit_signal_handler_saves_and_resumes_exactly",
     "tests/test_faults.py::test_sigterm_while_the_job_starts_saves_after_the_first_step",
+    "tests/test_faults.py::test_sigterm_to_every_process_while_checkpoints_are_written_saves_and_exits_0",
     "tests/test_faults.py::test_ctrl_c_then_sigterm_is_still_an_interruption",
     "tests/test_faults.py::test_sigterm_to_torchrun_saves_and_exits_0",
     "tests/test_faults.py::test_sigterm_without_the_handler_ends_every_process_with_one_line",

@@ -32,7 +32,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTenso
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_tsp.errors import CheckpointError
-from megatron_tsp.run.compat import fix_optimizer_checkpoints
+from megatron_tsp.run.compat import checkpoint_writers_outlive_sigterm, fix_optimizer_checkpoints
 from megatron_tsp.run.step import unwrap
 
 # Per-parameter keys, the same whether megatron-core splits a MoE model's optimizer into dense
@@ -246,6 +246,7 @@ def save(path: str, model: List[torch.nn.Module], optimizer=None,
     """Save model (and optimizer) shards, ``common`` (plain objects, from rank 0; its
     ``model_args``, if any, are checked at load) and ``per_rank`` (one object per rank)."""
     os.makedirs(path, exist_ok=True)
+    checkpoint_writers_outlive_sigterm()
     state = _model_state(model)
     if optimizer is not None:
         fix_optimizer_checkpoints()

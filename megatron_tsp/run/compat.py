@@ -31,9 +31,12 @@ import ast
 import contextlib
 import importlib
 import inspect
+import multiprocessing
+import signal
 import sys
 import textwrap
 from dataclasses import dataclass
+from multiprocessing.managers import SyncManager
 from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import torch
@@ -309,6 +312,22 @@ BUCKET_SHIMS: Sequence[Rewrite] = (
               "world_tensors[state_key][param_world_start - padding:param_world_end - padding]")),
             "optimizer/distrib_optimizer.py:1501 (0.19: 1790)"),
 )
+def checkpoint_writers_outlive_sigterm() -> None:
+    """megatron-core's checkpoint writers report to a queue served by a manager process it
+    spawns at the first save (``filesystem_async._results_queue``, 0.16 and 0.19). A spawned
+    process has SIGTERM's default action, so Slurm's SIGTERM to every process of the job
+    killed it while a save ran, and the save failed with BrokenPipeError instead of finishing
+    (with ``--exit-signal-handler`` the ranks save, then stop). The queue is made here, before
+    megatron-core makes it, by a manager that ignores SIGTERM; it ends with the rank.
+    Idempotent; every device."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+        manager.start(initializer=signal.signal, initargs=(signal.SIGTERM, signal.SIG_IGN))
+        filesystem_async._results_queue = manager.Queue()  # the proxy keeps its manager
+
+
 _CHECKPOINTS_FIXED = False
 
 
