@@ -44,10 +44,12 @@ def put_checkout_on_path(checkout: str, program: str) -> None:
 def prepare_device():
     """This process's device (:meth:`Device.from_launch`); on the CPU, with the shims that let
     Megatron-LM's training code run there; on every device, megatron-core's distributed
-    optimizer checkpoints fixed (:func:`~megatron_tsp.run.compat.fix_optimizer_checkpoints`).
-    Call after :func:`put_checkout_on_path`."""
+    optimizer checkpoints fixed (:func:`~megatron_tsp.run.compat.fix_optimizer_checkpoints`)
+    and its checkpoint writers' queue served by a process that outlives SIGTERM
+    (:func:`~megatron_tsp.run.compat.checkpoint_writers_outlive_sigterm`). Call after
+    :func:`put_checkout_on_path`."""
     from megatron_tsp.device import Device
-    from megatron_tsp.run.compat import fix_optimizer_checkpoints
+    from megatron_tsp.run.compat import checkpoint_writers_outlive_sigterm, fix_optimizer_checkpoints
 
     device = Device.from_launch()
     if not device.is_gpu:
@@ -55,6 +57,7 @@ def prepare_device():
 
         enable_megatron_lm_cpu_support()
     fix_optimizer_checkpoints()
+    checkpoint_writers_outlive_sigterm()
     return device
 
 
