@@ -200,8 +200,7 @@ def rank_environment(args) -> Dict[str, str]:
     ``CUDA_DEVICE_MAX_CONNECTIONS`` (:class:`megatron_tsp.run.modes.Mode`)."""
     from megatron_tsp.run import modes
 
-    connections = modes.of(args).device_max_connections
-    return {"CUDA_DEVICE_MAX_CONNECTIONS": connections} if connections else {}
+    return modes.of(args).environment()
 
 
 def _cmd_train(ns: argparse.Namespace) -> int:

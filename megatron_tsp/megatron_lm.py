@@ -164,11 +164,11 @@ def launch_environment(argv: List[str], environ: MutableMapping[str, str] = os.e
                              ring_mlp=_present(argv, "--ring-mlp"))
     parallel = max(layout.tsp_size, layout.tensor_model_parallel_size, layout.context_parallel_size) > 1
     fsdp = _present(argv, "--use-megatron-fsdp") or _present(argv, "--use-torch-fsdp2")
-    connections = modes.of(layout).device_max_connections
-    if not parallel or fsdp or connections is None or "CUDA_DEVICE_MAX_CONNECTIONS" in environ:
+    if not parallel or fsdp:
         return {}
-    environ["CUDA_DEVICE_MAX_CONNECTIONS"] = connections
-    return {"CUDA_DEVICE_MAX_CONNECTIONS": connections}
+    unset = {key: value for key, value in modes.of(layout).environment().items() if key not in environ}
+    environ.update(unset)
+    return unset
 
 
 def prepare_launch(argv: List[str]) -> None:

@@ -122,11 +122,13 @@ KEEP = [
 ]
 
 
+def names(name: str, nodeid: str) -> bool:
+    """Whether ``name`` (a file, a test or one case) names the test ``nodeid``."""
+    return nodeid == name or nodeid.startswith(name + "[") or nodeid.startswith(name + "::")
+
+
 def tier_of(nodeid: str) -> str:
     """``full`` for a test only ``--full`` runs, else ``default``."""
     if nodeid in KEEP:
         return "default"
-    for name in FULL:
-        if nodeid == name or nodeid.startswith(name + "[") or nodeid.startswith(name + "::"):
-            return "full"
-    return "default"
+    return "full" if any(names(name, nodeid) for name in FULL) else "default"

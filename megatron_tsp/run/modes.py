@@ -57,6 +57,10 @@ class Mode:
     device_max_connections: Optional[str] = "1"
     unlike: str = ""
 
+    def environment(self) -> Dict[str, str]:
+        """What a rank of the mode gets where the user set nothing (``device_max_connections``)."""
+        return {"CUDA_DEVICE_MAX_CONNECTIONS": self.device_max_connections} if self.device_max_connections else {}
+
     def values(self, values: Dict, cp: int = DEFAULT_CP) -> Dict:
         """The config ``values`` with the ranks of each pipeline stage (TSP x TP x CP) re-laid
         out as this mode."""
