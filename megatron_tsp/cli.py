@@ -596,7 +596,7 @@ def _cmd_gpu_check(ns: argparse.Namespace) -> int:
     if ns.config is None and not Device.from_launch().is_gpu:
         raise UserError("gpu-check: no GPU here, and its default 7B/128K job would run for hours on the CPU; "
                         "run it on a GPU, or rehearse with --config configs/tiny-cpu.yaml")
-    from megatron_tsp.core.block_attention import BACKENDS
+    from megatron_tsp.core.attention_kernels import BACKENDS
 
     if ns.attention_backend not in BACKENDS:
         raise UserError(f"--attention-backend {ns.attention_backend}: choose from {', '.join(BACKENDS)}")

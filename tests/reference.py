@@ -147,28 +147,28 @@ TSP_DOCUMENTS = ([[0, 3, 4, 13, 14, 22, 40, 57]], [[0, 3, 4, 13, 14, 22, 40, 57]
 def kernel_calls(blocks_, varlen: bool):
     """(varlen calls, other calls) the attention op makes each way for ``blocks_``, on a kernel
     with a varlen form (``varlen``) or without."""
-    from megatron_tsp.core import block_attention as kernels
+    from megatron_tsp.core import attention_kernels, block_attention, block_geometry
 
-    calls = kernels._unflat(kernels._flat(blocks_))
+    calls = block_geometry.unflatten(block_geometry.flatten(blocks_))
     if not varlen:
         return 0, len(calls)
 
     class Varlen:
         has_varlen = staticmethod(lambda: True)
 
-    runs = [run for indices in kernels._by_sample(calls).values()
-            for run in kernels._varlen_runs(Varlen, [calls[i] for i in indices], torch.empty(0))]
+    runs = [run for indices in block_attention._by_sample(calls).values()
+            for run in attention_kernels.varlen_runs(Varlen, [calls[i] for i in indices], torch.empty(0))]
     return len(runs), len(calls) - sum(map(len, runs))
 
 
 class KernelCalls:
-    """Counts calls of an attention kernel's methods (``block_attention._KERNELS[backend]``),
+    """Counts calls of an attention kernel's methods (``attention_kernels._KERNELS[backend]``),
     by name, while in the ``with`` block; ``calls``: {name: count}."""
 
     def __init__(self, backend: str = "cpu", names=("forward", "backward")):
-        from megatron_tsp.core import block_attention as kernels
+        from megatron_tsp.core import attention_kernels
 
-        self.kernel = kernels._KERNELS[backend]
+        self.kernel = attention_kernels._KERNELS[backend]
         self.calls = dict.fromkeys(names, 0)
 
     def __enter__(self):

@@ -407,7 +407,7 @@ def test_tsp_backward_runs_no_attention_forward(ranks, tsp_size, per_call):
     # causal block; the last head group's cut at the edges of the rank's own key chunks, which
     # run last (zigzag_own_keys_last). At D=1 the sequence is one causal block. With several
     # head groups per call, each stage of them makes the calls of one.
-    from megatron_tsp.core.block_attention import zigzag_blocks, zigzag_own_keys_first, zigzag_own_keys_last
+    from megatron_tsp.core.block_geometry import zigzag_blocks, zigzag_own_keys_first, zigzag_own_keys_last
 
     d, stages = tsp_size, tsp_size // per_call
     for rank, (forward, backward) in enumerate(ranks(tsp_size, _kernel_calls, tsp_size, per_call)):
@@ -422,7 +422,7 @@ def test_tsp_backward_runs_no_attention_forward(ranks, tsp_size, per_call):
 
 
 def test_gpu_backend_self_check_accepts_a_right_kernel_and_stops_a_wrong_one(monkeypatch):
-    from megatron_tsp.core import block_attention as kernels
+    from megatron_tsp.core import attention_kernels as kernels
 
     class Transposed(kernels._CPU):  # a convention mistake: keys read as values
         @staticmethod
@@ -448,7 +448,7 @@ def test_gpu_backend_self_check_accepts_a_right_kernel_and_stops_a_wrong_one(mon
 def test_the_self_check_sets_aside_a_varlen_form_with_another_lse_layout(flash_attn_on_cpu, monkeypatch):
     """A varlen kernel whose lse is [total, h] (not flash-attn's [h, total]) fails the check:
     one warning, and packed documents run as blocks, exact, on that kernel."""
-    from megatron_tsp.core import block_attention as kernels
+    from megatron_tsp.core import attention_kernels as kernels
 
     class OtherLayout(kernels._FlashAttn):
         @classmethod
@@ -474,7 +474,8 @@ def test_a_kernel_that_refuses_non_square_causal_blocks_gets_square_ones(monkeyp
     """torch-ROCm's flash kernel (AOTriton): 'For backwards kernel seqlen_q must equal seqlen_k
     for causal kernels'. The alignment probe must not stop there: such a kernel gets a square
     causal block and a full one per chunk, and the result is exact."""
-    from megatron_tsp.core import block_attention as kernels
+    from megatron_tsp.core import attention_kernels as kernels
+    from megatron_tsp.core.block_attention import block_attention
 
     class AOTriton(kernels._Math):
         bottom_right = None
@@ -498,7 +499,7 @@ def test_a_kernel_that_refuses_non_square_causal_blocks_gets_square_ones(monkeyp
     grads = {}
     for backend in ("flash", "math"):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        out = kernels.block_attention(*leaves, [1, 2], 8 ** -0.5, backend)
+        out = block_attention(*leaves, [1, 2], 8 ** -0.5, backend)
         grads[backend] = (out, *torch.autograd.grad(out, leaves, dout))
     for got, want in zip(grads["flash"], grads["math"]):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -507,7 +508,7 @@ def test_a_kernel_that_refuses_non_square_causal_blocks_gets_square_ones(monkeyp
 def test_a_window_layer_takes_a_kernel_with_a_window():
     """cuDNN's and the memory-efficient kernel have no sliding window: auto takes flash (fp32:
     math) for a window layer at any length, and naming them is one line."""
-    from megatron_tsp.core.block_attention import resolve_backend
+    from megatron_tsp.core.attention_kernels import resolve_backend
 
     cpu = torch.device("cpu")
     assert resolve_backend("gpu", cpu, torch.bfloat16, planned=True, keys=1 << 17) == "cudnn"
@@ -521,7 +522,7 @@ def test_a_window_layer_takes_a_kernel_with_a_window():
 def test_auto_takes_cudnn_for_long_sequences_where_it_runs(monkeypatch):
     """On an H200, cuDNN's attention ran the 7B's 128K step 1.6x faster than flash in every mode,
     flash is faster at 8K: auto picks by the number of keys, the same in every mode."""
-    from megatron_tsp.core import block_attention as kernels
+    from megatron_tsp.core import attention_kernels as kernels
 
     cpu, cuda, bf16 = torch.device("cpu"), torch.device("cuda"), torch.bfloat16
     long, short = kernels.AUTO_CUDNN_FROM_KEYS, kernels.AUTO_CUDNN_FROM_KEYS - 1
@@ -555,7 +556,7 @@ def test_cudnn_is_checked_at_the_models_head_dim_and_dtype(monkeypatch):
     check runs at the model's head dim and dtype, is remembered by them, and where cuDNN
     refuses auto takes flash. Packed documents take flash's varlen form at any length (cuDNN
     has none here: a call per document piece, a cuDNN graph per new shape)."""
-    from megatron_tsp.core import block_attention as kernels
+    from megatron_tsp.core import attention_kernels as kernels
 
     cpu, cuda, bf16, fp16 = torch.device("cpu"), torch.device("cuda"), torch.bfloat16, torch.float16
     long = kernels.AUTO_CUDNN_FROM_KEYS
@@ -582,7 +583,9 @@ def test_a_kernels_alignment_is_learned_before_its_first_blocks(monkeypatch):
     blocks were chosen before it ran, so step 1 ran a full and a causal block per chunk and
     later steps one (with full recompute, step 1's recomputed forward differed from its own
     forward). The first call's blocks are now those of every later call."""
-    from megatron_tsp.core import block_attention as kernels
+    from megatron_tsp.core import attention_kernels as kernels
+    from megatron_tsp.core import block_geometry as geometry
+    from megatron_tsp.core.block_attention import block_attention
 
     class Unknown(kernels._Math):  # a bottom-right kernel whose alignment is not declared
         bottom_right = None
@@ -592,21 +595,21 @@ def test_a_kernels_alignment_is_learned_before_its_first_blocks(monkeypatch):
     monkeypatch.setattr(kernels, "GPU_BACKENDS", ("flash", "efficient", "flash_attn"))  # 'cudnn' on CPU tensors
     monkeypatch.setattr(kernels, "HALF_ONLY", ())
     asked = []
-    blocks = kernels.blocks
-    monkeypatch.setattr(kernels, "blocks", lambda chunk_ids, chunk, aligned, *rest: asked.append(aligned) or
+    blocks = geometry.blocks
+    monkeypatch.setattr(geometry, "blocks", lambda chunk_ids, chunk, aligned, *rest: asked.append(aligned) or
                         blocks(chunk_ids, chunk, aligned, *rest))
     g = torch.Generator().manual_seed(0)
     q, k, v = torch.randn(16, 2, 4, 8, generator=g), torch.randn(24, 2, 2, 8, generator=g), torch.randn(
         24, 2, 2, 8, generator=g)
     for _ in range(2):
-        kernels.block_attention(q, k, v, [1, 2], 0.3, "cudnn")
+        block_attention(q, k, v, [1, 2], 0.3, "cudnn")
     assert asked == [True, True]
 
 
 @pytest.fixture
 def flash_attn_on_cpu(monkeypatch):
     """flash-attn 2.8's entry points (tests/standins) as a backend on CPU tensors."""
-    from megatron_tsp.core import block_attention as kernels
+    from megatron_tsp.core import attention_kernels as kernels
 
     monkeypatch.syspath_prepend(os.path.join(ROOT, "tests", "standins"))
     monkeypatch.setattr(kernels, "GPU_BACKENDS", ("flash", "cudnn", "efficient"))
@@ -622,7 +625,8 @@ def test_flash_attn_backend_with_the_packages_signatures(flash_attn_on_cpu, dtyp
     block per query chunk (no merge). fp32 is refused in a line, as the package refuses it."""
     from flash_attn.flash_attn_interface import _flash_attn_forward
 
-    from megatron_tsp.core import block_attention as kernels
+    from megatron_tsp.core import attention_kernels as kernels
+    from megatron_tsp.core.block_geometry import blocks
 
     with pytest.raises(ValueError, match="attention backend 'flash_attn' takes fp16/bf16 only"):
         kernels.resolve_backend("flash_attn", torch.device("cpu"), torch.float32, planned=True)
@@ -635,7 +639,7 @@ def test_flash_attn_backend_with_the_packages_signatures(flash_attn_on_cpu, dtyp
     for window in (-1, 5):
         test_block_attention_matches_softmax_attention("flash_attn", dtype, [1, 2], window, chunk=8,
                                                        documents=[[0, 3, 4, 13, 14, 22], [0, 16]])
-    assert kernels.blocks([1, 2], 4, kernels.bottom_right("flash_attn", torch.device("cpu"), dtype)) == \
+    assert blocks([1, 2], 4, kernels.bottom_right("flash_attn", torch.device("cpu"), dtype)) == \
         [(0, 4, 0, 8, True), (4, 8, 0, 12, True)]
 
 
@@ -647,7 +651,8 @@ def test_a_chunks_documents_are_one_varlen_call(flash_attn_on_cpu, documents):
     call forward and one backward, per sample or for the micro-batch (the samples one after
     another); a piece's blocks against its document's earlier chunks stay blocks. Exact against
     the masked softmax, and the calls counted."""
-    from megatron_tsp.core import block_attention as kernels
+    from megatron_tsp.core import attention_kernels as kernels
+    from megatron_tsp.core.block_geometry import blocks
 
     kernels.check_backend("flash_attn", torch.device("cpu"), torch.bfloat16, windowed=True)  # its calls, not counted
     chunk_ids = [1, 2]
@@ -657,7 +662,7 @@ def test_a_chunks_documents_are_one_varlen_call(flash_attn_on_cpu, documents):
                                                            documents=documents)
     runs, other, without = 0, 0, 0
     for window in (-1, 5):
-        plan = kernels.blocks(chunk_ids, 8, True, window, "flash_attn", documents)
+        plan = blocks(chunk_ids, 8, True, window, "flash_attn", documents)
         found, rest = kernel_calls(plan, varlen=True)
         runs, other, without = runs + found, other + rest, without + kernel_calls(plan, varlen=False)[1]
     assert 0 < runs and runs + other < without
@@ -675,26 +680,27 @@ def test_tsp_zigzag_document_blocks_as_varlen_calls(flash_attn_on_cpu, size, doc
     math kernel computes block by block, gradients written into the fp32 dK/dV buffer. A
     rank's two chunks are separate runs, so at micro-batch 1 the lse rows of one are a
     strided view: handed to the kernel as they were, dq, dK and dV were wrong."""
-    from megatron_tsp.core import block_attention as kernels
+    from megatron_tsp.core.block_attention import attend_backward_into, attend_into
+    from megatron_tsp.core.block_geometry import zigzag_document_blocks
 
     chunk, batch = 8, len(documents)
     documents = [[p for p in starts if p < 2 * size * chunk] for starts in documents]
     g = torch.Generator().manual_seed(0)
     for rank in range(size):
-        forward, (backward, split) = kernels.zigzag_document_blocks(size, rank, chunk, documents)
+        forward, (backward, split) = zigzag_document_blocks(size, rank, chunk, documents)
         assert kernel_calls(forward, varlen=True)[0] > 0
         q, dout = (torch.randn(2 * chunk, batch, 4, 8, generator=g).bfloat16() for _ in range(2))
         k, v = (torch.randn(2 * size * chunk, batch, 2, 8, generator=g).bfloat16() for _ in range(2))
         results = []
         for backend in ("math", "flash_attn"):
             out = torch.zeros_like(q)
-            lse = kernels.attend_into(q, k, v, forward, 0.3, backend, out)
+            lse = attend_into(q, k, v, forward, 0.3, backend, out)
             dq = torch.empty_like(q)
             dk, dv = (torch.empty_like(t, dtype=torch.float32) for t in (k, v))
             for first, last in ((0, split), (split, len(backward))):
                 if first < last:
-                    kernels.attend_backward_into(dout, q, k, v, out, lse, backward, 0.3, backend, dq, dk, dv, first,
-                                                 last, zero_untouched=first == 0)
+                    attend_backward_into(dout, q, k, v, out, lse, backward, 0.3, backend, dq, dk, dv, first, last,
+                                         zero_untouched=first == 0)
             results.append((out, lse, dq, dk, dv))
         errors = {name: rel_err(a, b) for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), *results)}
         assert_within([[(rank, errors)]], torch.bfloat16)

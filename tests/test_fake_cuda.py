@@ -105,7 +105,7 @@ def _varlen_runs(backend):
     """The varlen calls fake_cuda's documents op makes: (forward, backward)."""
     from reference import DOCUMENTS, TSP_DOCUMENTS, kernel_calls
 
-    from megatron_tsp.core.block_attention import blocks, zigzag_document_blocks
+    from megatron_tsp.core.block_geometry import blocks, zigzag_document_blocks
 
     op = sum(kernel_calls(blocks([1, 2], 16, True, -1, backend, documents), varlen=True)[0]
              for documents in DOCUMENTS)

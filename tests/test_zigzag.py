@@ -1,3 +1,6 @@
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -65,7 +68,7 @@ def test_backward_blocks_compute_the_forwards_pairs_and_write_each_key_once_but_
     written once, not written and added), the last adds onto one chunk; and the blocks that
     run first finish the key slots 0..D-1 (the other ranks' second chunks), which the last
     does not touch. The forward's blocks added onto r+1 chunks on rank r."""
-    from megatron_tsp.core.block_attention import zigzag_backward_blocks, zigzag_blocks
+    from megatron_tsp.core.block_geometry import zigzag_backward_blocks, zigzag_blocks
 
     c = 2
     for r in range(d):
@@ -85,7 +88,7 @@ def test_own_keys_last_computes_the_same_pairs_and_sends_only_what_is_final(d):
     """zigzag_own_keys_last: the backward's (query, key) pairs, each once; the blocks before
     the split touch no key row of the rank's own chunks (slots r and D+r), those after touch
     only those: one full block and two causal diagonals, about 1/D of the rank's work."""
-    from megatron_tsp.core.block_attention import zigzag_backward_blocks, zigzag_own_keys_last
+    from megatron_tsp.core.block_geometry import zigzag_backward_blocks, zigzag_own_keys_last
 
     c = 2
     for r in range(d):
@@ -104,7 +107,7 @@ def test_own_keys_first_computes_the_same_pairs_own_keys_from_the_ranks_own_rows
     against the rank's own key chunks (slots D+r and r, read from its own K/V: rows 0..c its
     first chunk, c..2c its second) and those against the others' (the zigzag layout, none in
     an own slot); every query row has an own key (its diagonal), so both parts merge by lse."""
-    from megatron_tsp.core.block_attention import zigzag_blocks, zigzag_own_keys_first
+    from megatron_tsp.core.block_geometry import zigzag_blocks, zigzag_own_keys_first
 
     c = 3
     for r in range(d):
@@ -128,7 +131,7 @@ def test_window_blocks_compute_each_pair_in_the_window_once(d, backend):
     be -inf); none spans the key slots' halves, and the backward runs first every block on
     slots 0..D-1, which then travel. The FLOP count sees exactly the window's pairs; the
     global-order blocks of the baselines likewise."""
-    from megatron_tsp.core.block_attention import blocks, visible_pairs_of, zigzag_window_blocks
+    from megatron_tsp.core.block_geometry import blocks, visible_pairs_of, zigzag_window_blocks
 
     c = 4
     natural = [2 * d - 1 - q for q in range(d)] + list(range(d))  # the natural chunk in each key slot
@@ -158,6 +161,57 @@ def test_window_blocks_compute_each_pair_in_the_window_once(d, backend):
             assert set(pairs) == {(i, j) for i in rows for j in range(max(0, i - w), i + 1)}
 
 
+@pytest.mark.parametrize("piece", [1, 2, 3, 4, 6])
+def test_a_window_without_documents_computes_each_pair_once_in_any_layout(piece):
+    """document_blocks with a sliding window and no documents: query pieces in any order,
+    against key pieces in natural order or scattered (with a cut between slots), compute the
+    (query, key) pairs with i - w <= j <= i once each, and no other; every row of a block
+    sees a key, no merged block spans a cut, and the FLOP count sees exactly those pairs.
+    No documents is one document a sample."""
+    from megatron_tsp.core.block_geometry import document_blocks, visible_pairs_of
+
+    n, slots = 6, [3, 5, 0, 2, 4, 1]  # natural key piece h in slot slots[h] of the scattered layout
+    queries = [(i * piece, g) for i, g in enumerate([4, 0, 5, 2])]
+    query_position = {row + x: g * piece + x for row, g in queries for x in range(piece)}
+    for key_row, cuts in ((lambda h: h * piece, ()), (lambda h: slots[h] * piece, (3 * piece,))):
+        key_position = {key_row(h) + x: h * piece + x for h in range(n) for x in range(piece)}
+        for window in range(n * piece + 1):
+            got = document_blocks(queries, piece, key_row, cuts=cuts, window=window)
+            assert got == document_blocks(queries, piece, key_row, [[0], [0]], cuts, window)
+            pairs = [(query_position[i], key_position[j]) for i, j in _pairs(got)]
+            assert len(pairs) == len(set(pairs))
+            assert set(pairs) == {(i, j) for i in query_position.values() for j in range(max(0, i - window), i + 1)}
+            assert visible_pairs_of(got) == len(pairs)
+            for b in got:
+                assert {i for i, _ in _pairs([b])} == set(range(b[0], b[1])), b
+                assert not any(b[2] < c < b[3] for c in cuts), b
+
+
+def test_a_window_without_documents_has_the_blocks_window_blocks_had():
+    """document_blocks took over window_blocks (a window without documents): the same blocks
+    in the same order, so the same kernel calls, merged in the same order. Expected lists
+    recorded from window_blocks: bands cut short and square, full blocks merged but across a
+    cut, a window of 0, and a TSP rank's zigzag blocks cut into pieces for a mask."""
+    from megatron_tsp.core.block_geometry import document_blocks, zigzag_window_blocks
+
+    assert document_blocks([(0, 0), (4, 3)], 4, lambda h: h * 4, window=5) == \
+        [(0, 4, 0, 4, True), (4, 8, 12, 16, True), (4, 8, 8, 12, False, 1), (4, 5, 7, 8, False, 0)]
+    assert document_blocks([(0, 2), (4, 5)], 4, lambda h: h * 4, cuts=(12,), window=9) == \
+        [(0, 4, 8, 12, True), (0, 4, 0, 4, False, 1), (0, 4, 4, 8, False), (4, 8, 20, 24, True),
+         (4, 8, 12, 16, False, 1), (4, 5, 11, 12, False, 0), (4, 8, 16, 20, False)]
+    assert document_blocks([(0, 1), (2, 6)], 2, lambda h: (h % 4) * 2 + 10 * (h // 4), window=0) == \
+        [(0, 2, 2, 4, True, 0), (2, 4, 14, 16, True, 0)]
+    forward = [(0, 4, 8, 12, True, 2), (4, 8, 0, 4, True, 2), (4, 6, 6, 8, False, 0)]
+    assert zigzag_window_blocks(2, 0, 4, 2, "math") == (forward, ([forward[1], forward[2], forward[0]], 2))
+
+
+def test_the_block_geometry_imports_no_torch():
+    """The geometry is pure Python: its proofs here need no tensors, nor does a tool that
+    reads block lists."""
+    subprocess.run([sys.executable, "-c", "import sys, megatron_tsp.core.block_geometry; "
+                    "assert 'torch' not in sys.modules, 'block_geometry imports torch'"], check=True)
+
+
 # documents of 32 tokens (2D chunks of 4 at D=4): one longer than a chunk that crosses ranks' chunks, one
 # of a token, one starting at a chunk boundary, and a sample that is one document
 DOCUMENTS = [[0, 3, 4, 13, 14, 22], [0]]
@@ -176,7 +230,7 @@ def test_document_blocks_compute_each_pair_of_a_document_once(d, window):
     spans the key slots' halves, and the backward runs first every block on slots 0..D-1.
     The global-order blocks of the baselines likewise; samples with the same documents share
     their blocks (no sample entry)."""
-    from megatron_tsp.core.block_attention import blocks, document_blocks, visible_pairs_of, zigzag_document_blocks
+    from megatron_tsp.core.block_geometry import blocks, document_blocks, visible_pairs_of, zigzag_document_blocks
 
     seq = 32
     c = seq // (2 * d)

@@ -41,15 +41,11 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch._subclasses.fake_tensor import is_fake
 
-from megatron_tsp.core import block_attention, comm, zigzag
-from megatron_tsp.core.block_attention import (
-    apply_sink,
-    attend_backward_into,
-    attend_into,
-    bhsd,
-    prepare_backend,
-    sink_grad,
-    validate_backend,
+from megatron_tsp.core import attention_kernels, comm, zigzag
+from megatron_tsp.core.attention_kernels import prepare_backend, validate_backend
+from megatron_tsp.core.block_attention import apply_sink, attend_backward_into, attend_into, bhsd, sink_grad
+from megatron_tsp.core.block_geometry import blocks as global_blocks
+from megatron_tsp.core.block_geometry import (
     window_of,
     zigzag_backward_blocks,
     zigzag_blocks,
@@ -58,7 +54,6 @@ from megatron_tsp.core.block_attention import (
     zigzag_own_keys_last,
     zigzag_window_blocks,
 )
-from megatron_tsp.core.block_attention import blocks as global_blocks
 from megatron_tsp.core.documents import document_starts
 from megatron_tsp.core.gemm import gemm, gemm_t
 from megatron_tsp.core.kv import GatherKV, ScatterKVGrads, grad_buffer, send_buffer
@@ -117,7 +112,7 @@ def head_groups_per_call(setting: Union[int, str], d_size: int, batch: int, head
     group; ``rows``: query rows per call (a zigzag chunk, S/2D)."""
     if setting != "auto":
         return setting
-    if backend not in block_attention.GPU_BACKENDS:
+    if backend not in attention_kernels.GPU_BACKENDS:
         return 1
     sms = _PLANNED[-1] if planned or device.type != "cuda" else multiprocessors_of(device)
     tiles = batch * heads * -(-rows // TILE_ROWS)
@@ -133,7 +128,7 @@ class TSPSelfAttention(SelfAttention):
     """Drop-in for megatron's ``SelfAttention`` under TSP (same parameters and checkpoints).
 
     ``overlap_comm``: the next head groups' weights and K/V travel while one computes.
-    ``attention_backend``: see :func:`megatron_tsp.core.block_attention.resolve_backend`.
+    ``attention_backend``: see :func:`megatron_tsp.core.attention_kernels.resolve_backend`.
     ``zigzag_indices``: an :class:`~megatron_tsp.core.zigzag.IndexCache` shared by the
     layers of a model (the TSP layer spec passes one), else this layer's own.
     ``chain``: the model's :class:`~megatron_tsp.core.prefetch.LayerChain` (the spec passes

@@ -29,7 +29,9 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_tsp.core import zigzag
-from megatron_tsp.core.block_attention import block_attention, validate_backend, window_of
+from megatron_tsp.core.attention_kernels import validate_backend
+from megatron_tsp.core.block_attention import block_attention
+from megatron_tsp.core.block_geometry import window_of
 from megatron_tsp.core.documents import document_starts
 from megatron_tsp.core.kv import AllGatherKV
 from megatron_tsp.core.spec import norm_spec, stage_layers, with_ring_mlp

@@ -9,7 +9,7 @@ natural order, before the zigzag permutation (every rank has the whole batch the
 travel as ``PackedSeqParams(qkv_format="sbhd")``: ``cu_seqlens_q`` the documents' starts over
 the micro-batch's samples laid end to end (THD's convention: sample s's documents start at
 ``s·S + p``, and ``b·S`` ends the list), a CPU tensor, read without a device sync. The
-attention op turns them into blocks (``block_attention.document_blocks``): no ``S x S``
+attention op turns them into blocks (``block_geometry.document_blocks``): no ``S x S``
 tensor anywhere. Positions (``--reset-position-ids``) are the dataset's; RoPE, as in
 megatron-core's GPTModel, rotates by global position, which within a document gives the
 scores of positions restarted at its start.

@@ -7,7 +7,7 @@ rank's second chunks and of every rank's first chunks, into the *zigzag layout*
     slot q < D: chunk 2D-1-q (rank q's second chunk)      slot D+q: chunk q (rank q's first)
 
 so that no re-indexing is needed: every query chunk's keys are contiguous there
-(:func:`megatron_tsp.core.block_attention.zigzag_blocks`). The gradient goes back the same
+(:func:`megatron_tsp.core.block_geometry.zigzag_blocks`). The gradient goes back the same
 way: two reduce-scatters of the fp32 ``[2Dc, 2, b, g, d]`` buffer the attention backward
 wrote dK/dV into hand each rank the sum over ranks of the gradient of its own two chunks.
 Both run asynchronously, so that a caller attends with one head group while the next one's

@@ -81,7 +81,8 @@ def rank_kernels(values: Dict, seqs: List[int], repeats: int = 5) -> Dict:
     import torch.distributed as dist
     from torch.utils.flop_counter import FlopCounterMode
 
-    from megatron_tsp.core.block_attention import block_attention, resolve_backend
+    from megatron_tsp.core.attention_kernels import resolve_backend
+    from megatron_tsp.core.block_attention import block_attention
 
     args = cfg.resolve(dict(values))
     h, ffn, heads, groups, dim = _shapes(args, dist.get_world_size())

@@ -39,9 +39,10 @@ from typing import Callable, Dict, List, Optional
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from megatron_tsp.core import block_attention as ops
+from megatron_tsp.core import attention_kernels as kernels
 from megatron_tsp.core import gemm as gemms
 from megatron_tsp.core.attention import PLANNED_SMS, head_groups_per_call, multiprocessors_of
+from megatron_tsp.core.block_attention import block_attention
 from megatron_tsp.core.parallel_state import destroy_model_parallel
 from megatron_tsp.device import Device
 from megatron_tsp.env import run_record
@@ -80,7 +81,7 @@ def _problem(seq: int, ranks: int, chunk_ids, batch: int, q_heads: int, kv_heads
 
 
 def _fwd_bwd(backend: str, q, k, v, dout, chunk_ids, scale: float):
-    out = ops.block_attention(q, k, v, chunk_ids, scale, backend)
+    out = block_attention(q, k, v, chunk_ids, scale, backend)
     grads = torch.autograd.grad(out, (q, k, v), dout)
     return out, grads
 
@@ -136,7 +137,7 @@ def check_backends(device: Device, seqs, budget_end: float, save: Callable[[], N
         result["backends"] = {"skipped": "no GPU"}
         return
     dtype, part = torch.bfloat16, result.setdefault("backends", {})
-    names = [b for b in ops.GPU_BACKENDS if b != "flash_attn" or ops.flash_attn_installed()]
+    names = [b for b in kernels.GPU_BACKENDS if b != "flash_attn" or kernels.flash_attn_installed()]
     # correctness: rank 1 of D=8 (chunks 1 and 14 of 16), 64-token chunks, GQA 8:2, micro-batch 2
     chunk_ids, scale = [1, 14], 128 ** -0.5
     q, k, v, dout = _problem(1024, 8, chunk_ids, 2, 8, 2, 128, device, dtype)
@@ -148,7 +149,7 @@ def check_backends(device: Device, seqs, budget_end: float, save: Callable[[], N
             entry["max_rel_err_vs_math"] = {
                 n: float((a.float() - b.float()).abs().max() / b.float().abs().max())
                 for n, a, b in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref_out, *ref_grads))}
-            entry["bottom_right_causal"] = ops.bottom_right(name, device.torch, dtype)
+            entry["bottom_right_causal"] = kernels.bottom_right(name, device.torch, dtype)
         except Exception as exc:  # noqa: BLE001 - a backend this GPU or torch lacks is a result
             entry["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         save()
@@ -255,10 +256,10 @@ def check_modes(values: Dict, modes: List[str], steps: int, device: Device, budg
             entry.update(parallel=planned["parallel"], planned_peak_gib=planned["peak_gib"],
                          planned_by_category_gib=planned["by_category_gib"],
                          flops_per_rank=planned["flops_per_rank"],
-                         attention_kernel=ops.resolve_backend(attention_backend, device.torch, params_dtype(args),
-                                                              keys=args.seq_length,
-                                                              documents=args.reset_attention_mask,
-                                                              head_dim=args.kv_channels))
+                         attention_kernel=kernels.resolve_backend(attention_backend, device.torch, params_dtype(args),
+                                                                  keys=args.seq_length,
+                                                                  documents=args.reset_attention_mask,
+                                                                  head_dim=args.kv_channels))
             entry.update(head_groups_per_call=_head_groups_per_call(args, mode, device, entry["attention_kernel"]))
             _measure_mode(args, mode, steps, device, entry, profile, attention_backend)
         except Exception as exc:  # noqa: BLE001 - out of memory, say: a result, and the next mode runs

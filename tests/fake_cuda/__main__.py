@@ -33,7 +33,8 @@ def documents_op(case):
     from reference import DOCUMENTS, TSP_DOCUMENTS, KernelCalls
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from megatron_tsp.core import block_attention as kernels
+    from megatron_tsp.core.block_attention import attend_backward_into, attend_into, block_attention
+    from megatron_tsp.core.block_geometry import zigzag_document_blocks
 
     def tensors(*shapes):
         return [torch.randn(*shape, device="cuda", dtype=torch.bfloat16) for shape in shapes]
@@ -41,19 +42,19 @@ def documents_op(case):
     with KernelCalls(case["backend"], ("forward_varlen", "backward_varlen")) as counted, FakeTensorMode():
         for documents in DOCUMENTS:
             q, k, v = (t.requires_grad_() for t in tensors((32, 2, 4, 64), (48, 2, 2, 64), (48, 2, 2, 64)))
-            out = kernels.block_attention(q, k, v, [1, 2], 0.125, case["backend"], documents=documents)
+            out = block_attention(q, k, v, [1, 2], 0.125, case["backend"], documents=documents)
             torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
         for documents in TSP_DOCUMENTS:
             for rank in (0, 1):
-                forward, (backward, split) = kernels.zigzag_document_blocks(2, rank, 16, documents)
+                forward, (backward, split) = zigzag_document_blocks(2, rank, 16, documents)
                 b = len(documents)
                 q, dout, k, v = tensors((32, b, 4, 64), (32, b, 4, 64), (64, b, 2, 64), (64, b, 2, 64))
                 out = torch.empty_like(q)
-                lse = kernels.attend_into(q, k, v, forward, 0.125, case["backend"], out)
+                lse = attend_into(q, k, v, forward, 0.125, case["backend"], out)
                 dq, dk, dv = torch.empty_like(q), k.float(), v.float()
                 for first, last in ((0, split), (split, len(backward))) if split else ((0, len(backward)),):
-                    kernels.attend_backward_into(dout, q, k, v, out, lse, backward, 0.125, case["backend"], dq, dk,
-                                                 dv, first, last, zero_untouched=first == 0)
+                    attend_backward_into(dout, q, k, v, out, lse, backward, 0.125, case["backend"], dq, dk, dv, first,
+                                         last, zero_untouched=first == 0)
     return counted.calls
 
 
