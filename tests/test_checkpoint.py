@@ -74,14 +74,15 @@ MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64, moe_aux
 
 @pytest.mark.parametrize("saved,loaded", [(("tsp", 2, 2), ("tp-sp", 2, 2)), (("tsp", 2, 2), ("tsp", 4, 4)),
                                           (("tp-sp", 2, 2), ("tsp", 2, 2)), (("tsp", 2, 2), ("single", 1, 1)),
-                                          (("single", 1, 1), ("tsp", 2, 2))],
+                                          (("single", 1, 1), ("tsp", 2, 2)), (("tsp", 2, 2), ("tsp", 2, 1)),
+                                          (("tsp", 2, 1), ("tp-sp", 2, 2))],
                          ids=["tsp2-into-tp2-sp", "tsp2-ep2-into-tsp4-ep4", "tp2-sp-into-tsp2", "tsp2-ep2-into-d1",
-                              "d1-into-tsp2-ep2"])
+                              "d1-into-tsp2-ep2", "tsp2-ep2-into-tsp2-ep1", "tsp2-ep1-into-tp2-sp-ep2"])
 def test_moe_checkpoints_move_between_layouts(ranks, tmp_path, saved, loaded):
-    """Mixture-of-experts models (experts folded onto the model-parallel ranks, EP = the size):
-    model and optimizer saved in one layout resume in another with the uninterrupted run's
-    losses, D=1 included, whose optimizer megatron-core keeps in one part where EP > 1 keeps
-    dense and expert parts."""
+    """Mixture-of-experts models (experts folded onto the model-parallel ranks, sharded over EP
+    of them): model and optimizer saved in one layout resume in another with the uninterrupted
+    run's losses, between expert-parallel sizes and D=1 included, whose optimizer megatron-core
+    keeps in one part where 2 ranks keep dense and expert parts."""
     (mode, size, ep), (mode_to, size_to, ep_to) = saved, loaded
     path = str(tmp_path / "moe")
     expected = ranks(size, _train_save_continue, mode, size, path, ep=ep, **MOE)[0]

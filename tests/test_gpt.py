@@ -264,17 +264,20 @@ def experts(ranks, tmp_path_factory):
 
 
 @pytest.mark.parametrize("variant", list(MOE))
-@pytest.mark.parametrize("mode,kwargs", [("tsp", dict(tsp=2, ep=2)), ("tsp", dict(tsp=4, ep=4)),
-                                         ("tsp", dict(tsp=4, ep=2)), ("tsp", dict(tsp=2, ep=2, world=4)),
+@pytest.mark.parametrize("mode,kwargs", [("tsp", dict(tsp=2, ep=2)), ("tsp", dict(tsp=2, ep=1)),
+                                         ("tsp", dict(tsp=4, ep=4)), ("tsp", dict(tsp=4, ep=2)),
+                                         ("tsp", dict(tsp=2, ep=2, world=4)),
                                          ("tsp", dict(tsp=2, ep=2, recompute="selective:moe")),
-                                         ("tp-sp", dict(tp=2, ep=2)), ("tp-cp", dict(cp=2, ep=2))],
-                         ids=["tsp2-ep2", "tsp4-ep4", "tsp4-ep2", "tsp2-ep2-dp2", "tsp2-ep2-recompute-moe",
-                              "tp2-sp-ep2", "cp2-ep2"])
+                                         ("tp-sp", dict(tp=2, ep=2)), ("tp-sp", dict(tp=2, ep=1)),
+                                         ("tp-cp", dict(cp=2, ep=2))],
+                         ids=["tsp2-ep2", "tsp2-ep1", "tsp4-ep4", "tsp4-ep2", "tsp2-ep2-dp2", "tsp2-ep2-recompute-moe",
+                              "tp2-sp-ep2", "tp2-sp-ep1", "cp2-ep2"])
 def test_moe_trains_like_single_process(ranks, experts, variant, mode, kwargs):
     """TSP attention with megatron-core's MoE layers, the experts folded onto the TSP group
     (each rank's 1/D of the tokens routed by all-to-all to experts held whole), trains as the
     world=1 stock MoE model: loss and grad norm (router and load-balancing loss included) at
-    every step; the baselines fold theirs onto TP or CP ranks."""
+    every step, at every expert-parallel size (EP 1: every rank holds every expert and sees its
+    own tokens); the baselines fold theirs onto TP or CP ranks."""
     path, expected = experts[variant]
     size = kwargs.pop("world", kwargs.get("tsp", 1) * kwargs.get("tp", 1) * kwargs.get("cp", 1))
     for history in ranks(size, run, mode, "modern", steps=STEPS, load=path, block_spec=True, **kwargs,

@@ -28,8 +28,10 @@ from megatron.core.transformer.transformer_block import (
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
+from megatron_tsp import versions
 from megatron_tsp.core.attention import TSPSelfAttention
 from megatron_tsp.core.mlp import TSPMLP
+from megatron_tsp.core.moe import SequenceShardedMoELayer
 from megatron_tsp.core.norm import TSPNorm
 from megatron_tsp.core.prefetch import LayerChain
 from megatron_tsp.core.support import moe_layers
@@ -136,7 +138,12 @@ def get_gpt_block_tsp_spec(
 
 def stage_layers(config: TransformerConfig, dense: ModuleSpec, moe: Optional[ModuleSpec], vp_stage: Optional[int],
                  pp_rank: Optional[int]) -> List[ModuleSpec]:
-    """The layer specs of this pipeline stage: ``moe`` where :func:`moe_layers` says, else ``dense``."""
+    """The layer specs of this pipeline stage: ``moe`` where :func:`moe_layers` says, else
+    ``dense``. Below megatron-core 0.19 the MoE module is a
+    :class:`~megatron_tsp.core.moe.SequenceShardedMoELayer`."""
+    if moe is not None and not versions.at_least(0, 19):
+        mlp = dataclasses.replace(moe.submodules.mlp, module=SequenceShardedMoELayer)
+        moe = dataclasses.replace(moe, submodules=dataclasses.replace(moe.submodules, mlp=mlp))
     offset = get_transformer_layer_offset(config, vp_stage, pp_rank)
     pattern = moe_layers(config)
     return [moe if pattern[offset + i] else dense for i in range(get_num_layers_to_build(config, vp_stage, pp_rank))]
