@@ -120,5 +120,9 @@ def quiet_import_noise() -> None:
     # ... its optimizer asks every main parameter for .grad, the distributed optimizer's views too
     warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf Tensor",
                             category=UserWarning, module=r"megatron\.core\.optimizer")
+    # ... its expert linear layers at expert tensor-parallel size 1 under sequence parallelism
+    # (MoE under TSP and TP+SP here), where there is nothing to shard
+    warnings.filterwarnings("ignore", message="`sequence_parallel` is set to `True`, but tensor model parallel size "
+                            "is 1", category=UserWarning)
     # ... and its rank-0-only logging asks for a rank in the launcher, which has no process group
     warnings.filterwarnings("ignore", message="Could not determine rank from torch.distributed", category=UserWarning)
