@@ -8,6 +8,7 @@ machine), so runs do not share worker processes. Megatron-LM's iteration lines p
 significant digits, finer than the 1e-5 compared here.
 """
 
+import json
 import os
 import re
 import shutil
@@ -234,29 +235,38 @@ def test_spec_objects_are_layer_specs():
 
 
 PARSE = r"""
-import sys
-sys.argv = ["pretrain_gpt.py"] + sys.argv[1:]
+import json, sys
 from megatron_tsp import megatron_lm
-sys.argv = megatron_lm.translate_argv(sys.argv)
 from megatron.training.arguments import parse_args
-args = parse_args(extra_args_provider=megatron_lm.add_tsp_args)
-print("|".join(map(str, (args.tsp_size, args.tensor_model_parallel_size, args.sequence_parallel,
-                          args.spec, args.seq_length))))
+for line in sys.stdin:  # one command line a config: parsed as Megatron-LM parses it, in one process
+    sys.argv = megatron_lm.translate_argv(["pretrain_gpt.py"] + json.loads(line))
+    args = parse_args(extra_args_provider=megatron_lm.add_tsp_args)
+    print("|".join(map(str, (args.tsp_size, args.tensor_model_parallel_size, args.sequence_parallel,
+                              args.spec, args.seq_length))))
 """
+RENDERED = [("7b", "128k-tsp8"), ("7b", "128k-tp8-sp"), ("7b", "128k-tp8-sp-ring"), ("7b", "128k-tp4-cp2"),
+            ("7b", "16k-tsp8"), ("mixtral-8x7b", "128k-tsp8"), ("olmoe", "128k-tsp8")]
 
 
-@pytest.mark.parametrize("model,name", [("7b", "128k-tsp8"), ("7b", "128k-tp8-sp"), ("7b", "128k-tp8-sp-ring"),
-                                        ("7b", "128k-tp4-cp2"), ("7b", "16k-tsp8"), ("mixtral-8x7b", "128k-tsp8"),
-                                        ("olmoe", "128k-tsp8")])
-def test_rendered_configs_parse_with_megatron_lm(model, name):
-    flags = subprocess.run([sys.executable, "-m", "megatron_tsp.cli", "args",
-                            os.path.join(ROOT, "configs", model, f"{name}.yaml")],
-                           check=True, capture_output=True, text=True).stdout.split()
+@pytest.fixture(scope="module")
+def parsed():
+    """{(model, name): what Megatron-LM's parser made of ``megatron-tsp args`` of the config}."""
+    lines = [json.dumps(subprocess.run([sys.executable, "-m", "megatron_tsp.cli", "args",
+                                        os.path.join(ROOT, "configs", model, f"{name}.yaml")],
+                                       check=True, capture_output=True, text=True).stdout.split())
+             for model, name in RENDERED]
     env = dict(os.environ, PYTHONPATH=MEGATRON_LM + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    out = subprocess.run([sys.executable, "-c", PARSE, *flags], env=env, capture_output=True,
-                         text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", PARSE], input="\n".join(lines) + "\n", env=env,
+                         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    tsp, tp, sp, spec, seq = out.stdout.strip().splitlines()[-1].split("|")
+    results = [line for line in out.stdout.splitlines() if line.count("|") == 4]
+    assert len(results) == len(RENDERED), out.stdout[-3000:]
+    return dict(zip(RENDERED, results))
+
+
+@pytest.mark.parametrize("model,name", RENDERED)
+def test_rendered_configs_parse_with_megatron_lm(parsed, model, name):
+    tsp, tp, sp, spec, seq = parsed[model, name].split("|")
     assert seq == ("131072" if name.startswith("128k") else "16384")
     if "tsp" in name:
         assert (tsp, tp, sp) == ("8", "8", "True") and "megatron_tsp.megatron_lm" in spec
@@ -362,16 +372,17 @@ def test_mixture_of_experts_through_pretrain_equals_stock_tp_sp(tree):
     _close(tsp_losses, stock_losses)
 
 
-@pytest.mark.parametrize("flags,printed_as", [
-    (("--softmax-type", "learnable"), dict(softmax_type="learnable")),
-    (("--window-size", "16,0", "--window-attn-skip-freq", "2"), dict(window_size="(16, 0)", window_attn_skip_freq="2")),
-], ids=["learnable-sinks", "sliding-window"])
-def test_attention_variants_through_pretrain_tsp_equal_tp_sp(tree, stock, flags, printed_as):
+VARIANTS = ["--softmax-type", "learnable", "--window-size", "16,0", "--window-attn-skip-freq", "2"]
+
+
+def test_attention_variants_through_pretrain_tsp_equal_tp_sp(tree, stock):
     """`--softmax-type` (megatron-core's TransformerConfig.softmax_type; Megatron-LM has no flag
-    for it: the script adds it) and Megatron-LM's `--window-size` with `--window-attn-skip-freq`:
-    the config takes them by name, and TSP2 trains as Megatron-LM's own TP2+SP layers do."""
-    tsp_losses, printed = _pretrain(tree, None, "--tsp-size", "2", *flags)
-    assert {key: printed[key] for key in printed_as} == printed_as
-    tp_losses, _ = _pretrain(tree, None, *TP_SP, *flags)
+    for it: the script adds it) and Megatron-LM's `--window-size` with `--window-attn-skip-freq`,
+    in one model (learnable sinks in every layer, a window in every other): the config takes
+    them by name, and TSP2 trains as Megatron-LM's own TP2+SP layers do."""
+    tsp_losses, printed = _pretrain(tree, None, "--tsp-size", "2", *VARIANTS)
+    assert (printed["softmax_type"], printed["window_size"], printed["window_attn_skip_freq"]) == \
+        ("learnable", "(16, 0)", "2")
+    tp_losses, _ = _pretrain(tree, None, *TP_SP, *VARIANTS)
     _close(tsp_losses, tp_losses)
-    assert tsp_losses[1] != stock[0][1]  # the variant is there: not the plain model's loss
+    assert tsp_losses[1] != stock[0][1]  # the variants are there: not the plain model's loss
