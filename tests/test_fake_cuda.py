@@ -51,13 +51,18 @@ def _compiler() -> bool:
 SEVEN_B_STEPS = [dict(config=SEVEN_B, mode=m, overrides={"num_layers": 2}) for m in ("tsp", "tp")]
 
 
+HOST_READ = dict(config=TINY, mode="tsp", host_read=True)  # a step that reads a device scalar on the host
+
+
 def _cases(items) -> list:
     """The cases the selected tests read (all of them where none were given)."""
     if items is None:
-        return list(CASES)
+        return list(CASES) + [HOST_READ]
     wanted = [item.callspec.params["case"] for item in items if hasattr(item, "callspec")]
     if any(item.name == "test_tsp_needs_less_memory_at_long_context" for item in items):
         wanted += [c for c in SEVEN_B_STEPS if c not in wanted]
+    if any(item.name == "test_a_host_read_inside_the_step_fails_its_case" for item in items):
+        wanted.append(HOST_READ)
     return wanted
 
 
@@ -99,6 +104,14 @@ def test_a_gpu_training_step_runs(results, case):
         assert min(forward, backward) > 0
     else:
         assert result["peak_gib"] > 0 and result["flops"] > 0
+
+
+def test_a_host_read_inside_the_step_fails_its_case(results):
+    """The guard every case above runs its step under catches a read (``.item()`` of a device
+    scalar, here at the start of the schedule): the steps above read none."""
+    result = results[_key(HOST_READ)]
+    assert result["error"] is not None and "HostRead" in result["traceback"], result
+    assert "_local_scalar_dense" in result["traceback"]
 
 
 def _varlen_runs(backend):

@@ -226,3 +226,51 @@ class _Checked:
 
     def __getattr__(self, name):
         return getattr(self.check.original, name)
+
+
+class HostRead(RuntimeError):
+    """A device tensor read by the host inside a training step."""
+
+
+READ_IN_THE_STEP = []  # a case that reads a loss on the host inside the step (the guard's own check)
+
+
+def forbid_host_reads_in_the_step() -> None:
+    """Every planned step's schedule (from the batch to the gradients, before the optimizer)
+    runs under a dispatch mode that fails on a read of a device tensor by the host:
+    ``.item()``, ``.tolist()``, ``bool()`` (``_local_scalar_dense``), ``.nonzero()``,
+    ``torch.equal``, ``.cpu()`` / ``.to("cpu")``. On a GPU each is a sync that stalls the
+    host until the device has caught up, so that it cannot queue the next kernels ahead."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    from megatron_tsp.run import step
+
+    aten = torch.ops.aten
+    reads = {aten._local_scalar_dense.default, aten.nonzero.default, aten.equal.default, aten.is_nonzero.default}
+
+    class NoHostReads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            on_device = any(isinstance(t, torch.Tensor) and t.device.type != "cpu"
+                            for t in tree_leaves((args, kwargs)))
+            to_host = (func is aten._to_copy.default and str(kwargs.get("device")) == "cpu") or \
+                (func is aten.copy_.default and args[0].device.type == "cpu")
+            if on_device and (func in reads or to_host):
+                raise HostRead(f"{func} reads a device tensor on the host inside the step")
+            return func(*args, **kwargs)
+
+    schedule = step.get_forward_backward_func
+
+    def guarded():
+        run = schedule()
+
+        def run_without_host_reads(**kwargs):
+            with NoHostReads():
+                if READ_IN_THE_STEP:
+                    torch.zeros((), device="cuda").item()
+                return run(**kwargs)
+        return run_without_host_reads
+
+    step.get_forward_backward_func = guarded

@@ -22,6 +22,7 @@ from megatron_tsp.run import compat  # noqa: E402
 from megatron_tsp.run import config as cfg  # noqa: E402
 
 fake_cuda.install_kernel_contracts()  # after megatron-core's imports, which register aten ops by name
+fake_cuda.forbid_host_reads_in_the_step()
 
 
 def documents_op(case):
@@ -61,6 +62,7 @@ def documents_op(case):
 def one(case):
     if case.get("op") == "documents":
         return documents_op(case)
+    fake_cuda.READ_IN_THE_STEP[:] = [True] if case.get("host_read") else []
     values = cfg.load_config(os.path.join(fake_cuda.ROOT, case["config"]))
     values.update(case.get("overrides", {}))
     torch.version.hip = "6.4" if case.get("rocm") else None  # torch-ROCm: its flash kernel is AOTriton
