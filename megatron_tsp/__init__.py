@@ -37,7 +37,7 @@ _EXPORTS = {
     "get_gpt_layer_tsp_spec": "megatron_tsp.core.spec",
     "get_hybrid_stack_tsp_spec": "megatron_tsp.core.hybrid",
     "with_ring_mlp": "megatron_tsp.core.spec",
-    "zigzag_batch": "megatron_tsp.core.zigzag",
+    "ZigzagBatch": "megatron_tsp.core.zigzag",
     "apply_vocab_layout": "megatron_tsp.core.vocab",
 }
 

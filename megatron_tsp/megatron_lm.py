@@ -42,10 +42,10 @@ from megatron_tsp.core.parallel_state import adopt_megatron_groups
 from megatron_tsp.core.sizes import ParallelSizes
 from megatron_tsp.core.spec import get_gpt_block_tsp_spec, get_gpt_layer_tsp_spec, with_ring_mlp
 from megatron_tsp.core.support import RULES, require, violations
-from megatron_tsp.core.zigzag import zigzag_batch
+from megatron_tsp.core.zigzag import ZigzagBatch
 from megatron_tsp.env import transformer_engine_version
 from megatron_tsp.run import modes
-from megatron_tsp.run.compat import Rewrite
+from megatron_tsp.run.upstream import Rewrite
 
 
 def _register_groups() -> None:
@@ -260,6 +260,7 @@ def zigzag_get_batch(get_batch):
     TSP rank its two chunks (docs/design.md section 4). The names of what it returns are
     read from its module (:func:`megatron_tsp.versions.batch_names`)."""
     names = versions.batch_names(get_batch.__globals__)
+    to_zigzag = lru_cache(maxsize=1)(ZigzagBatch)  # built at the first batch: the arguments are parsed then
 
     @wraps(get_batch)
     def get_batch_in_zigzag_order(data_iterator, vp_stage=None):
@@ -276,8 +277,8 @@ def zigzag_get_batch(get_batch):
             # the documents from the whole sequence's EOD tokens, before the zigzag split; no S x S mask
             _documents[:] = [document_params(batch["tokens"], get_tokenizer().eod)]  # this step's, none left over
             batch["attention_mask"] = None
-        batch.update(zigzag_batch({k: batch.get(k) for k in ("tokens", "labels", "loss_mask", "attention_mask",
-                                                              "position_ids")}, args.tsp_size))
+        batch.update(to_zigzag(args.seq_length, args.tsp_size)({k: batch.get(k) for k in (
+            "tokens", "labels", "loss_mask", "attention_mask", "position_ids")}))
         return type(values)(batch[name] for name in names)
 
     return get_batch_in_zigzag_order

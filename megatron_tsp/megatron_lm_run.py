@@ -44,12 +44,12 @@ def put_checkout_on_path(checkout: str, program: str) -> None:
 def prepare_device():
     """This process's device (:meth:`Device.from_launch`); on the CPU, with the shims that let
     Megatron-LM's training code run there; on every device, megatron-core's distributed
-    optimizer checkpoints fixed (:func:`~megatron_tsp.run.compat.fix_optimizer_checkpoints`)
+    optimizer checkpoints fixed (:func:`~megatron_tsp.run.upstream.fix_optimizer_checkpoints`)
     and its checkpoint writers' queue served by a process that outlives SIGTERM
-    (:func:`~megatron_tsp.run.compat.checkpoint_writers_outlive_sigterm`). Call after
+    (:func:`~megatron_tsp.run.upstream.checkpoint_writers_outlive_sigterm`). Call after
     :func:`put_checkout_on_path`."""
     from megatron_tsp.device import Device
-    from megatron_tsp.run.compat import checkpoint_writers_outlive_sigterm, fix_optimizer_checkpoints
+    from megatron_tsp.run.upstream import checkpoint_writers_outlive_sigterm, fix_optimizer_checkpoints
 
     device = Device.from_launch()
     if not device.is_gpu:

@@ -21,7 +21,10 @@ What 0.16 -> 0.19 changed that TSP meets, and where it is bridged:
 * ``NullTokenizer(n)`` has n ids with end-of-document ``n - 1``, not ``n + 1`` ids
   (:func:`null_tokenizer`).
 * The CPU needs two more shims (CUDA streams in the DDP gradient sync, a grad-norm flag
-  made on cuda) and another for torch Adam's checkpoint ``step`` (``run/compat.py``).
+  made on cuda; ``run/compat.py``). Of megatron-core's faults fixed on every device, one
+  moved (torch Adam's checkpoint ``step``) and two are gone (MoE without TransformerEngine,
+  the experts' gradients at expert-parallel size 1); ``run/upstream.py`` names the releases
+  of each.
 * ``pretrain_gpt.get_batch`` returns ten values in ``BATCH_KEYS`` order, not six
   (:func:`batch_names`).
 * Megatron-LM's CPU shims differ where the code moved (``run/compat_megatron_lm.py``

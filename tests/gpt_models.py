@@ -125,7 +125,7 @@ def setup(mode, model="modern", tsp=1, tp=1, cp=1, pp=1, recompute=None, overlap
                                      or (mode == "tp-cp" and tp > 1)), **experts, **config_overrides))
     args = SimpleNamespace(tsp_size=size if mode == "tsp" else 1, context_parallel_size=cp, qk_layernorm=False,
                            tsp_lookahead=lookahead, tsp_head_groups_per_call=per_call,
-                           ring_mlp=ring)
+                           ring_mlp=ring, seq_length=SEQ)
     if mode == "single":
         spec = get_gpt_layer_local_spec(normalization=config.normalization, num_experts=config.num_moe_experts)
     elif mode == "tsp" and not block_spec:

@@ -236,7 +236,7 @@ def test_several_head_groups_per_call_match_stock_self_attention(ranks, tsp_size
 
 
 def test_head_groups_per_call_fill_the_gpu_at_short_sequences():
-    from megatron_tsp.core.attention import check_head_groups_per_call, head_groups_per_call
+    from megatron_tsp.core.head_groups import head_groups_per_call
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     # the 7B at D=8: 4 query heads a head group, rows S/16, the planner's 132 SMs (its fake
@@ -246,7 +246,7 @@ def test_head_groups_per_call_fill_the_gpu_at_short_sequences():
                   for s in (8192, 16384, 32768, 65536, 131072)}
         assert picked == {8192: 8, 16384: 8, 32768: 4, 65536: 2, 131072: 1}
     # the planned GPU's count from its hardware profile: MI300X's 304 CUs, A100's 108 SMs
-    from megatron_tsp.core.attention import planned_multiprocessors
+    from megatron_tsp.core.head_groups import planned_multiprocessors
     from megatron_tsp.measure.perfmodel import load_hardware
 
     mi300x = load_hardware(os.path.join(ROOT, "configs", "hardware", "mi300x.yaml")).multiprocessors
@@ -257,9 +257,7 @@ def test_head_groups_per_call_fill_the_gpu_at_short_sequences():
     assert head_groups_per_call("auto", 8, 1, 4, 1024, cpu, "cpu") == 1
     assert head_groups_per_call("auto", 8, 1, 4, 1024, cpu, "math", planned=True) == 1
     assert head_groups_per_call(2, 8, 1, 4, 8192, cuda, "flash", planned=True) == 2
-    for bad in (3, 0, "two", True):
-        with pytest.raises(ValueError, match=r"head_groups_per_call must be 'auto' or a divisor of the TSP size 8"):
-            check_head_groups_per_call(bad, 8, "head_groups_per_call")
+    assert head_groups_per_call(0, 8, 1, 4, 16384 // 16, cpu, "flash", planned=True) == 8  # a config's 0 is auto
 
 
 def _saved_and_counted(tsp_size, seq):
@@ -320,6 +318,27 @@ def test_unsupported_settings_fail_at_construction():
     assert any("--num-query-groups 2 is not divisible by --tsp-size 4" in m for m in messages)
     assert any("--attention-dropout 0" in m for m in messages)
     assert any("causal attention only" in m for m in messages)
+
+
+GROUPS_MUST = "--tsp-head-groups-per-call must be 0 (auto) or a divisor of the TSP size"
+
+
+@pytest.mark.parametrize("size,setting,message", [
+    (4, dict(lookahead=0), "--tsp-lookahead must be 1 or more with --tsp-size 4 (got 0)"),
+    (4, dict(head_groups_per_call=3), f"{GROUPS_MUST} with --tsp-size 4 (got 3)"),
+    (4, dict(head_groups_per_call=-2), f"{GROUPS_MUST} with --tsp-size 4 (got -2)"),
+    (4, dict(head_groups_per_call="two"), f"{GROUPS_MUST} with --tsp-size 4 (got two)"),
+    (4, dict(head_groups_per_call=True), f"{GROUPS_MUST} with --tsp-size 4 (got on)"),
+    (1, dict(head_groups_per_call=2), f"{GROUPS_MUST} with --tsp-size 1 (got 2)"),  # the layer reads it at any size
+])
+def test_the_layers_own_settings_fail_at_construction(size, setting, message):
+    """The support matrix's rows of TSP's own settings, as the layer checks them."""
+    from megatron_tsp.core.support import check_attention_config
+
+    with pytest.raises(ValueError) as err:
+        check_attention_config(configs(size)[1], size, **setting)
+    line, flag = str(err.value), message.split()[0]
+    assert line.startswith(f"TSPSelfAttention: {message}: ") and f"; set {flag} " in line and "\n" not in line
 
 
 def _softmax_attention(q, k, v, scale, visible):

@@ -28,7 +28,7 @@ def test_modes_agree_on_a_rope_gqa_swiglu_model(ranks):
     # the profiled step: TSP's waits, charged to the schedule lines that posted and waited, on every rank
     for rows in entry["tsp"]["waits_per_rank"]:
         sites = {row["posted_at"].split(":")[0] for row in rows} | {row["waited_at"].split(":")[0] for row in rows}
-        assert {"attention.py", "mlp.py"} <= sites, sites
+        assert {"attention_schedule.py", "mlp.py"} <= sites, sites
         assert all(row["waits"] >= 1 and row["wait_ms"] >= 0 for row in rows)
     assert not any(entry["tp-sp"]["waits_per_rank"])  # megatron's collectives are not TSP's schedules
     assert "waits for transfers" in bench.table(result)

@@ -1,11 +1,14 @@
 """The CPU shims: each one applies and does what it says (that a GPU process never enables
-them is checked by the fake-CUDA runs, tests/test_fake_cuda.py)."""
+them is checked by the fake-CUDA runs, tests/test_fake_cuda.py); the rewrites of megatron-core's
+faults name the releases they apply to."""
 
 import inspect
+from collections import Counter
 
 import torch
 
-from megatron_tsp.run import compat
+from megatron_tsp import versions
+from megatron_tsp.run import compat, upstream
 
 
 def _shim_checks():
@@ -23,10 +26,10 @@ def _shim_checks():
     # Every rewritten function now comes from the shim and still has its upstream name.
     rewritten = []
     for shim in (s for s in compat.SHIMS if s.applies()):
-        owner, name = compat._resolve_owner(__import__(shim.module, fromlist=["x"]), shim.qualname)
+        owner, name = upstream._resolve_owner(__import__(shim.module, fromlist=["x"]), shim.qualname)
         fn = inspect.getattr_static(owner, name)
         fn = getattr(fn, "__func__", fn)
-        rewritten.append(fn.__code__.co_filename.startswith("<megatron_tsp.run.compat")
+        rewritten.append(fn.__code__.co_filename.startswith("<megatron_tsp rewrite of ")
                          and fn.__qualname__ == shim.qualname)
     out["rewritten"] = rewritten
     # Causal mask: same values as upstream intends, on the CPU.
@@ -63,10 +66,22 @@ def test_shims_apply_and_behave(ranks):
 
 def test_a_moved_upstream_line_fails_loudly():
     # (a function no shim rewrites: other tests may have enabled the shims in this process)
-    shim = compat.Rewrite("megatron.core.utils", "divide", (("no such text", ""),), "utils.py")
+    shim = upstream.Rewrite("megatron.core.utils", "divide", (("no such text", ""),), "utils.py")
     try:
         shim.install()
     except RuntimeError as exc:
-        assert "not supported on CPU" in str(exc)
+        assert f"of megatron-core {versions.megatron_core()}; this release is not supported" in str(exc)
     else:
         raise AssertionError("a missing pattern must raise")
+
+
+def test_upstream_fixes_name_their_releases_and_fit_this_one():
+    """Each rewrite of a megatron-core fault names the supported releases it applies to (one
+    not read yet runs megatron-core's own code), no function is rewritten twice on a release
+    (the second would read the first's source), and on this release those that apply find
+    their text (fix_optimizer_checkpoints raises where it moved)."""
+    fixes = (*upstream.BUCKET_FIXES, *upstream.TORCH_ADAM_FIXES)
+    assert all(fix.versions and set(fix.versions) <= set(versions.SUPPORTED) for fix in fixes)
+    per_release = Counter((fix.module, fix.qualname, release) for fix in fixes for release in fix.versions)
+    assert max(per_release.values()) == 1, per_release
+    upstream.fix_optimizer_checkpoints()

@@ -44,6 +44,11 @@ def test_bad_files_name_the_key(tmp_path, text, message):
     (dict(tsp_size=2, attention_dropout=0.1), "'attention_dropout' (--attention-dropout) must be 0"),
     (dict(tsp_size=8, num_attention_heads=4), "'num_attention_heads' (--num-attention-heads) 4 is not divisible by "
                                               "--tsp-size 8"),
+    (dict(tsp_size=4, tsp_head_groups_per_call=3),
+     "'tsp_head_groups_per_call' (--tsp-head-groups-per-call) must be 0 (auto) or a divisor of the TSP size with "
+     "--tsp-size 4 (got 3)"),
+    (dict(tsp_size=2, tsp_lookahead=0),
+     "'tsp_lookahead' (--tsp-lookahead) must be 1 or more with --tsp-size 2 (got 0)"),
     # megatron's own
     (dict(tensor_model_parallel_size=8, num_attention_heads=4),
      "'num_attention_heads' (--num-attention-heads) must be divisible by tensor_model_parallel_size"),
@@ -65,8 +70,6 @@ def test_bad_files_name_the_key(tmp_path, text, message):
     (dict(tsp_size=2, num_experts=3, expert_model_parallel_size=2),
      "'num_experts' (--num-experts) must be divisible by expert_model_parallel_size 2"),
     (dict(num_experts=4, moe_router_topk=5), "'moe_router_topk' (--moe-router-topk) must be at most num_experts 4"),
-    (dict(tsp_size=4, tsp_head_groups_per_call=3),
-     "'tsp_head_groups_per_call' (--tsp-head-groups-per-call) must be 0 (auto) or a divisor of tsp_size 4"),
     (dict(expert_model_parallel_size=2), "'expert_model_parallel_size' (--expert-model-parallel-size) applies with "
                                          "num_experts"),
     (dict(tensor_model_parallel_size=2, sequence_parallel=True, num_experts=4, expert_model_parallel_size=4),

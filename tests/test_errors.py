@@ -488,10 +488,12 @@ def test_a_mode_the_model_cannot_run_is_skipped_and_said(capsys):
     modes is the one line it was."""
     import argparse
 
+    from megatron_tsp.commands.shared import runnable_modes
+
     for model in ("mixtral-8x7b", "olmoe"):
         ns = argparse.Namespace(config=os.path.join(ROOT, "configs", model, "128k-tsp8.yaml"), cp=2,
                                 modes=["tsp", "tp-sp", "tp-sp-ring", "tp-cp"])
-        cli._runnable_modes(ns, "plan")
+        runnable_modes(ns, "plan")
         assert ns.modes == ["tsp", "tp-sp", "tp-cp"]
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("megatron-tsp plan: note: mode tp-sp-ring skipped: 'ring_mlp'")

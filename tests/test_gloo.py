@@ -1,4 +1,4 @@
-"""The benchmarks' gloo reduce-scatter and reduce (measure/gloo.py): the same sums as gloo's
+"""The benchmarks' gloo reduce-scatter and reduce (measure/distributed.py): the same sums as gloo's
 own, asynchronous like them, counted as what they stand for, and moving the bytes the GPU
 libraries move where gloo's own move two and more times that."""
 
@@ -7,7 +7,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_tsp.core import comm
-from megatron_tsp.measure import counts, gloo
+from megatron_tsp.measure import counts
+from megatron_tsp.measure.distributed import direct_reductions
 
 
 def _loopback_bytes() -> int:
@@ -35,7 +36,7 @@ def rank_bytes_moved():
     calls = {"reduce_scatter": lambda: dist.reduce_scatter_tensor(out, full),
              "reduce": lambda: dist.reduce(whole, dst=0)}
     own = {name: _sent_on_loopback(fn) for name, fn in calls.items()}
-    with gloo.direct_reductions():
+    with direct_reductions():
         direct = {name: _sent_on_loopback(fn) for name, fn in calls.items()}
     return own, direct, 4 * n
 
@@ -59,7 +60,7 @@ def rank_same_sums(seed: int):
     got = torch.empty(6, 5), tensor.clone()
     from megatron.core.tensor_parallel import mappings
     bound = mappings.dist_reduce_scatter_func
-    with gloo.direct_reductions(), counts.count_collectives() as records:
+    with direct_reductions(), counts.count_collectives() as records:
         assert mappings.dist_reduce_scatter_func.__wrapped__.__wrapped__ is bound  # megatron's bound name too
         group = dist.new_group(list(range(d)))
         with comm.InFlight() as inflight:  # asynchronous, as TSP's schedules use them

@@ -43,19 +43,19 @@ def test_tsp_trains_like_single_process(ranks, single, model, tsp):
 def prefetched_run(recompute):
     """Train as :func:`run`, recording each attention forward whose backward's first K/V
     re-gather the MLP after it posted (core/prefetch.py) and whether its backward took it."""
-    from megatron_tsp.core import attention
+    from megatron_tsp.core import attention_schedule
     posted = []
-    original = attention.post_backward_regathers
+    original = attention_schedule.post_backward_regathers
 
     def post(ctx, inflight):
         posted.append(ctx)
         return original(ctx, inflight)
 
-    attention.post_backward_regathers = post
+    attention_schedule.post_backward_regathers = post
     try:
         history = run("tsp", "modern", steps=STEPS, tsp=2, recompute=recompute)
     finally:
-        attention.post_backward_regathers = original
+        attention_schedule.post_backward_regathers = original
     return history, len(posted), sum(ctx.prefetched == [] for ctx in posted)
 
 
@@ -129,7 +129,7 @@ def table_prefetch_run(tied):
 
     def init(self, *args):
         posted_by.append([f.function for f in inspect.stack()
-                          if f.function == "forward" and f.filename.endswith(("attention.py", "mlp.py"))])
+                          if f.function == "forward" and f.filename.endswith(("attention_schedule.py", "mlp.py"))])
         original_init(self, *args)
 
     def table(self, shard):

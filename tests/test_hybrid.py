@@ -48,7 +48,7 @@ def _train(mode, model, steps=3):
     chunks = [DistributedDataParallel(config, DistributedDataParallelConfig(use_distributed_optimizer=True), hybrid)]
     optimizer = training.build_optimizer(chunks, OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=1.0,
                                                                  weight_decay=0.01, use_distributed_optimizer=True))
-    args = type("Args", (), dict(tsp_size=2, context_parallel_size=1))()
+    args = type("Args", (), dict(tsp_size=2, context_parallel_size=1, seq_length=SEQ))()
     transform = get_mode("tsp").batch_transform(args) if mode == "tsp" else None
     history = []
     for _ in range(steps):

@@ -267,7 +267,7 @@ def test_a_ranks_warnings_reach_the_user_and_import_noise_does_not():
 
 
 def test_train_sets_device_connections_per_mode():
-    from megatron_tsp.cli import rank_environment
+    from megatron_tsp.commands.training import rank_environment
     from megatron_tsp.run import config
 
     tiny = dict(mock_data=True, vocab_size=256, attention_dropout=0.0)

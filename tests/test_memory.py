@@ -90,6 +90,32 @@ def test_modes_relayout_the_same_model():
         get_mode("fsdp").values(values)
 
 
+def test_memory_counts_each_layers_bytes_and_kernel_launches_op_by_op(tmp_path):
+    """``megatron-tsp memory --bytes-by-op --launches``: what one layer adds on the slowest rank,
+    op by op. TP+SP's layer launches its 4 GEMMs forward and 8 backward (the default config
+    recomputes nothing) and one attention kernel each way; TSP's several head groups call
+    the kernels more often; each table adds up to its total."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "memory.json"
+    run = subprocess.run([sys.executable, "-m", "megatron_tsp.cli", "memory", os.path.join(ROOT, "configs",
+                          "tiny-cpu.yaml"), "--modes", "tsp,tp-sp", "--bytes-by-op", "--launches", "--json", str(out)],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "Kernel launches per layer" in run.stdout and "Memory-bound bytes per layer" in run.stdout
+    layers = {mode: r["by_op"] for mode, r in json.loads(out.read_text())["modes"].items()}
+    for r in layers.values():
+        assert sum(r["launches_by_op"].values()) == pytest.approx(r["launches"])
+        assert r["attention_kernel_calls"] == sum(n for op, n in r["launches_by_op"].items()
+                                                  if "/_scaled_dot_product" in op or "/_flash" in op
+                                                  or "/_efficient" in op or "/_cudnn" in op)
+        assert r["collective_calls"] > 0 and r["total_gb"] > 0
+    assert layers["tp-sp"]["launches_by_op"]["mm"] == 12 and layers["tp-sp"]["attention_kernel_calls"] == 2
+    assert layers["tsp"]["attention_kernel_calls"] > layers["tp-sp"]["attention_kernel_calls"]
+
+
 def test_plots_are_written(tmp_path):
     pytest.importorskip("matplotlib")
     from megatron_tsp.measure import bench

@@ -61,6 +61,7 @@ def test_prediction_has_every_mode_and_a_sweep():
             r = result["modes"][mode][key]
             assert r["step_s"] >= r["compute_s"] > 0 and 0 < r["mfu"] < 1
         assert result["modes"][mode]["overlap"]["step_s"] <= result["modes"][mode]["no_overlap"]["step_s"]
+        assert result["modes"][mode]["launches_per_rank"] > result["modes"][mode]["launches_per_layer"] > 0
     assert set(result["sweep"]) == {128, 256}
     assert set(result["crossover_seq_length"]) == {"tsp", "tp-sp-ring"}
     assert "mi300x" in perfmodel.table(result)

@@ -191,7 +191,7 @@ def test_overlap_param_gather_over_several_buckets_trains_as_without_it(ranks, t
 
 def test_optimizer_state_of_several_buckets_resumes_exactly_and_in_another_layout(ranks, tmp_path, uninterrupted):
     """megatron-core saved the distributed optimizer's state of a buffer of several buckets at
-    offsets shifted by the padding of the buckets before it (compat.BUCKET_SHIMS): each
+    offsets shifted by the padding of the buckets before it (upstream.BUCKET_FIXES): each
     parameter after a padded bucket end resumed with its neighbour's Adam moments. A bucket per
     parameter and the learnable sinks (4 elements, a bucket padded to 128) show it: the resumed
     run's third loss was 5.70 where the run that went on has 4.59. Resumed on one rank (one

@@ -38,16 +38,38 @@ def test_indivisible_sequence_is_a_clear_error():
         zigzag.local_positions(10, 2, 0)
 
 
-def test_a_batch_is_checked_and_permuted_once_not_per_key_and_rank(monkeypatch):
+def test_the_batch_transform_checks_the_sizes_once_when_built_not_per_batch(monkeypatch):
     calls = []
     real = zigzag.check_seq_len
     monkeypatch.setattr(zigzag, "check_seq_len", lambda *a: calls.append(a) or real(*a))
+    to_zigzag = zigzag.ZigzagBatch(16, 4)
     batch = {key: torch.arange(32).reshape(2, 16) for key in zigzag.SEQUENCE_KEYS}
-    batch["attention_mask"] = torch.ones(2, 1, 16, 16, dtype=torch.bool)
-    out = zigzag.zigzag_batch(batch, 4)
+    batch["attention_mask"] = torch.rand(2, 1, 16, 16) > 0.5
+    outs = [to_zigzag(batch) for _ in range(3)]
     assert calls == [(16, 4)]
-    for key in zigzag.SEQUENCE_KEYS:
-        assert torch.equal(out[key], zigzag.to_zigzag(batch[key], 4, dim=1))
+    for out in outs:
+        for key in zigzag.SEQUENCE_KEYS:
+            assert torch.equal(out[key], zigzag.to_zigzag(batch[key], 4, dim=1))
+        mask = zigzag.to_zigzag(zigzag.to_zigzag(batch["attention_mask"], 4, dim=-1), 4, dim=-2)
+        assert torch.equal(out["attention_mask"], mask)
+    with pytest.raises(ValueError, match=r"^--seq-length 10 is not divisible by 2 x --tsp-size = 4"):
+        zigzag.ZigzagBatch(10, 2)
+    with pytest.raises(ValueError, match="^ZigzagBatch: the batch's sequences have 8 tokens, it was built for 16$"):
+        to_zigzag({"tokens": torch.zeros(2, 8, dtype=torch.long)})
+
+
+@pytest.mark.parametrize("d", [1, 2, 3, 4, 8])
+def test_the_ranks_chunks_and_their_key_slots(d):
+    """Rank r holds chunks r and 2D-1-r, every chunk once; gathered, rank q's second chunk
+    sits in key slot q and its first in slot D+q (GatherKV's two all-gathers, in rank order)."""
+    from megatron_tsp.core.block_geometry import rank_chunks, rank_slots, zigzag_slot
+
+    assert sorted(c for r in range(d) for c in rank_chunks(d, r)) == list(range(2 * d))
+    natural = [2 * d - 1 - q for q in range(d)] + list(range(d))  # the chunk in each key slot
+    assert [zigzag_slot(d, c) for c in natural] == list(range(2 * d))
+    for r in range(d):
+        assert rank_chunks(d, r) == (r, 2 * d - 1 - r) and rank_slots(d, r) == (d + r, r)
+        assert [p // 3 for p in zigzag.local_positions(6 * d, d, r).tolist()[::3]] == list(rank_chunks(d, r))
 
 
 def _pairs(blocks):

@@ -1,49 +1,30 @@
-"""TSP self-attention: broadcast weight shards, all-gather K/V, zigzag causal mask.
+"""TSP self-attention: megatron's ``SelfAttention`` with TSP's forward (docs/design.md section 2).
 
 Rank p of a TSP group of size D holds the tokens ``x_p: [S/D, b, h]`` (zigzag chunks p and
 2D-1-p) and head group p's weights, in exactly megatron's tensor-parallel layout (this class
-*is* a megatron ``SelfAttention``; only ``forward`` differs). For every head group r, all
-ranks together:
-
-    W_r       = broadcast(Wqkv_r, bqkv_r, Wproj_r; src=r)
-    q, k, v   = split(x_p Wqkv_r^T + bqkv_r)          a/D query heads, g/D kv heads
-    q, k      = rope(q, k) at the global positions of p's tokens
-    K_r, V_r  = all_gather(k, v)                       [S, b, g/D, d], zigzag layout
-    o_r       = block_attention(q, K_r, V_r)           head group r of O_p [S/D, b, h]
-
-and then, once, ``y_p = O_p Wproj^T`` with ``Wproj`` the head groups' projection shards side
-by side: one GEMM over K = h that sums the head groups in fp32 and rounds once, no fp32
-accumulator in memory, and no all-reduce. Backward (derived; docs/design.md section 2)
-re-broadcasts W_r, re-gathers K_r, V_r (never saved full-length), reduce-scatters dK_r, dV_r
-in fp32 to the token owners, sums ``dx_p`` over head groups inside its GEMMs (fp32), and
-reduces the partial dW_r of every rank to its owner r in fp32, written by its GEMMs into the
-buffer the reduce sends. Saved for backward: ``x_p``, this rank's own shards, O_p, and per
-head group the projection and log-sum-exp of p's tokens (1/D of what one device saves);
-nothing is recomputed but q/k norms and RoPE, and what a flash kernel's own backward
-recomputes. The attention itself is :mod:`megatron_tsp.core.block_attention`, the op every
-baseline uses too.
+*is* a megatron ``SelfAttention``; only ``forward`` differs). The layer does what is local to
+a rank: q/k norms and RoPE at its tokens' global positions (:meth:`TSPSelfAttention.split_heads`),
+its queries' blocks against the gathered keys (:mod:`megatron_tsp.core.block_geometry`) and
+how many head groups a kernel call takes (:mod:`megatron_tsp.core.head_groups`). What travels
+between the ranks, weight shards by broadcast and K/V by all-gather, and the gradients back,
+is :class:`~megatron_tsp.core.attention_schedule.BroadcastShardsGatherKV`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import itertools
 import math
-from dataclasses import dataclass, replace
-from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import List, Optional, Tuple, Union
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch._subclasses.fake_tensor import is_fake
 
-from megatron_tsp.core import attention_kernels, comm, zigzag
+from megatron_tsp.core import zigzag
 from megatron_tsp.core.attention_kernels import prepare_backend, validate_backend
-from megatron_tsp.core.block_attention import apply_sink, attend_backward_into, attend_into, bhsd, sink_grad
+from megatron_tsp.core.attention_schedule import AttentionScheduleArgs, BroadcastShardsGatherKV, Rope
 from megatron_tsp.core.block_geometry import blocks as global_blocks
 from megatron_tsp.core.block_geometry import (
     window_of,
@@ -55,68 +36,11 @@ from megatron_tsp.core.block_geometry import (
     zigzag_window_blocks,
 )
 from megatron_tsp.core.documents import document_starts
-from megatron_tsp.core.gemm import gemm, gemm_t
-from megatron_tsp.core.kv import GatherKV, ScatterKVGrads, grad_buffer, send_buffer
+from megatron_tsp.core.head_groups import head_groups_per_call
 from megatron_tsp.core.parallel_state import resolve_tsp_groups
 from megatron_tsp.core.prefetch import LayerChain
-from megatron_tsp.core.streaming import WeightBroadcast, deliver_grads, linear_pair_shard, run_forward_pre_hooks, unpack
+from megatron_tsp.core.streaming import WeightBroadcast, linear_pair_shard, run_forward_pre_hooks
 from megatron_tsp.core.support import check_attention_config
-
-Rope = Optional[Tuple[torch.Tensor, ...]]
-
-
-PLANNED_SMS = 132  # the H100's and H200's streaming multiprocessors: the planner's GPU, unless told
-TILE_ROWS = 128  # query rows per thread block of a flash kernel's forward (flash-attn 2, head dim 128)
-_SMS: Dict[int, int] = {}
-_PLANNED = [PLANNED_SMS]  # the planner's GPU's (planned_multiprocessors)
-
-
-@contextlib.contextmanager
-def planned_multiprocessors(count: int):
-    """Inside the block the planner's fake tensors plan a GPU of ``count`` SMs or CUs (a
-    hardware profile's ``multiprocessors``: 132 on H100 and H200, 304 on MI300X, 108 on A100)."""
-    _PLANNED.append(count)
-    try:
-        yield
-    finally:
-        _PLANNED.pop()
-
-
-def multiprocessors_of(device: torch.device) -> int:
-    """A real GPU's SMs (NVIDIA) or CUs (AMD), read once per device."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SMS:
-        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SMS[index]
-
-
-def check_head_groups_per_call(setting: Union[int, str], d_size: int, name: str) -> None:
-    """One-line ValueError unless ``setting`` is ``auto`` or a positive divisor of D."""
-    if setting == "auto":
-        return
-    if isinstance(setting, bool) or not isinstance(setting, int) or setting < 1 or d_size % setting:
-        raise ValueError(f"{name} must be 'auto' or a divisor of the TSP size {d_size} (got {setting!r})")
-
-
-def head_groups_per_call(setting: Union[int, str], d_size: int, batch: int, heads: int, rows: int,
-                         device: torch.device, backend: str, planned: bool = False) -> int:
-    """How many head groups a stage of TSP attention puts side by side: one K/V gather and
-    one kernel call per block for all of them. An int is taken as it is. ``auto``: 1 for the
-    CPU's kernels (``backend``, resolved), which split any call across their threads; for a
-    GPU kernel the fewest (a divisor of D) whose calls fill the GPU, ``batch x G x heads x
-    ceil(rows / TILE_ROWS)`` thread blocks at least its SM count (for the planner's fake
-    tensors, which plan a GPU's kernels wherever they live, :func:`planned_multiprocessors`). One head
-    group per call keeps the most overlap, but at short S its calls leave most SMs idle: the
-    7B at D=8 (4 heads a group) has 32 thread blocks a call at 16K, so all 8 groups go in one
-    stage on 132 SMs; 4 at 32K, 2 at 64K, 1 from 128K. ``heads``: query heads per head
-    group; ``rows``: query rows per call (a zigzag chunk, S/2D)."""
-    if setting != "auto":
-        return setting
-    if backend not in attention_kernels.GPU_BACKENDS:
-        return 1
-    sms = _PLANNED[-1] if planned or device.type != "cuda" else multiprocessors_of(device)
-    tiles = batch * heads * -(-rows // TILE_ROWS)
-    return next(g for g in range(1, d_size + 1) if d_size % g == 0 and (g * tiles >= sms or g == d_size))
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -136,7 +60,9 @@ class TSPSelfAttention(SelfAttention):
     ``lookahead``: head-group shards in flight ahead of the one in use (1 or more: each one
     more shard of memory); with several head groups a stage, stages' shards.
     ``head_groups_per_call``: head groups attended side by side, in one kernel call per
-    block and one K/V gather (:func:`head_groups_per_call`; ``auto`` or a divisor of D).
+    block and one K/V gather (:func:`~megatron_tsp.core.head_groups.head_groups_per_call`;
+    ``auto``, also written 0, or a divisor of D). The support matrix checks both
+    (:func:`~megatron_tsp.core.support.check_attention_config`).
     """
 
     is_tsp_attention = True
@@ -158,15 +84,12 @@ class TSPSelfAttention(SelfAttention):
         **layer_kwargs,
     ):
         group, weight_group = resolve_tsp_groups(pg_collection)
-        check_attention_config(config, group.size(), attn_mask_type)
+        check_attention_config(config, group.size(), attn_mask_type, lookahead, head_groups_per_call)
         # layer_kwargs: what the running megatron-core's TransformerLayer passes beyond these
         # (0.19: name, pp_layer_offset), for SelfAttention to take as it does
         super().__init__(config, submodules, layer_number, attn_mask_type, cp_comm_type, pg_collection, **layer_kwargs)
         if self.tp_group.size() != group.size():
             raise ValueError("TSPSelfAttention: pg_collection.tp must be the TSP group")
-        if lookahead < 1:
-            raise ValueError(f"TSPSelfAttention: lookahead must be 1 or more (got {lookahead})")
-        check_head_groups_per_call(head_groups_per_call, group.size(), "TSPSelfAttention: head_groups_per_call")
         self.head_groups_per_call = head_groups_per_call
         self.tsp_group = group
         self.weight_group = weight_group
@@ -320,488 +243,6 @@ class TSPSelfAttention(SelfAttention):
         if self.config.softmax_type == "learnable":  # read, not called: its pre-hooks stand in (streaming.py)
             run_forward_pre_hooks(self.core_attention)
             sink = [self.core_attention.softmax_offset]
-        output = StreamAttentionHeads.apply(args, hidden_states, *self.shard_tensors(), *self.replicated_parameters(),
-                                            *sink)
+        output = BroadcastShardsGatherKV.apply(args, hidden_states, *self.shard_tensors(),
+                                               *self.replicated_parameters(), *sink)
         return output, self.linear_proj.bias
-
-
-@dataclass(frozen=True)
-class AttentionScheduleArgs:
-    """The arguments of :class:`StreamAttentionHeads`: the group K/V are gathered over and
-    the one weight shards are broadcast over; ``split_heads(qkv, rope, local=None) -> q, k,
-    v`` for one head group (q/k norms and RoPE: the layer's local stage; K and V written into
-    ``local``, the gather's send buffer, when given) and its RoPE tables; this rank's query
-    chunks, each its rows and attention blocks (:func:`zigzag_blocks`; the first needs only
-    every rank's first chunk of K/V), and the backward's blocks over all of them and how
-    many run before the rest (:func:`zigzag_backward_blocks`); scale and kernel; the width of
-    O; whether the QKV projection has a bias (a shard is then Wqkv, bqkv, Wproj); the overlap
-    switch and lookahead; the model's layer chain and the module (:mod:`prefetch`)."""
-
-    kv_group: dist.ProcessGroup
-    weight_group: dist.ProcessGroup
-    split_heads: Callable
-    rope: Rope
-    chunks: List[Tuple[slice, list]]
-    backward_blocks: Tuple[list, int]
-    softmax_scale: float
-    backend: str
-    width: int  # of O, all heads: a * d (megatron's query_projection_size)
-    head_dim: int
-    kv_heads: int
-    has_bias: bool
-    overlap: bool
-    lookahead: int
-    chain: LayerChain
-    module: object
-    softmax_type: str = "vanilla"  # megatron's: vanilla, off-by-one (a sink logit 0), learnable (its parameter)
-    own_keys_last: Optional[Tuple[list, int]] = None  # :func:`zigzag_own_keys_last`, for the last stage
-    own_keys_first: Optional[list] = None  # :func:`zigzag_own_keys_first`, per query chunk of the forward
-    backward_follows: bool = True  # grad mode at the call, or a recomputed layer's first pass
-    groups_per_call: int = 1  # head groups side by side in one stage (:func:`head_groups_per_call`)
-
-    def columns(self, r: int, count: int = 1) -> slice:
-        """Head groups r..r+count-1's columns of the concatenated attention output O (and
-        rows of Wproj^T): their a*d/D input features of the output projection each."""
-        width = self.width // self.kv_group.size()
-        return slice(r * width, (r + count) * width)
-
-    @property
-    def stages(self) -> int:
-        return self.kv_group.size() // self.groups_per_call
-
-    def stage_groups(self, s: int) -> range:
-        """The head groups of stage s, attended in one call per block."""
-        return range(s * self.groups_per_call, (s + 1) * self.groups_per_call)
-
-    def stage_columns(self, s: int) -> slice:
-        return self.columns(s * self.groups_per_call, self.groups_per_call)
-
-    def group_heads(self, j: int) -> Tuple[slice, slice]:
-        """The j-th head group of a stage: its query heads and its K/V heads there."""
-        queries = self.width // self.head_dim // self.kv_group.size()
-        return slice(j * queries, (j + 1) * queries), slice(j * self.kv_heads, (j + 1) * self.kv_heads)
-
-
-def side_by_side(tensors: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
-    """The tensors concatenated along ``dim``; a lone one as it is (no copy)."""
-    return tensors[0] if len(tensors) == 1 else torch.cat(list(tensors), dim=dim)
-
-
-class HeadGroup(NamedTuple):
-    """Forward, one stage (its head groups side by side in the head dimension): its queries
-    for this rank's tokens, its K/V being gathered, this rank's own K/V (the gather's send
-    buffer), and, once attended, per query chunk its attention against the own keys
-    (:func:`zigzag_own_keys_first`): fp32 and its lse, or the chunk's output and lse where it
-    sees no other keys."""
-
-    query: torch.Tensor
-    kv: GatherKV
-    local: torch.Tensor
-    own: Optional[List[Tuple[torch.Tensor, torch.Tensor]]] = None
-
-
-class StreamAttentionHeads(torch.autograd.Function):
-    """y_p = (concat_r attn(x_p; W_r)) Wproj^T with W_r broadcast from rank r (module docstring).
-
-    Forward, per stage r (explicit loop; a stage is ``groups_per_call`` head groups side by
-    side, one K/V gather and one kernel call per block for all of them, and with one group
-    a stage is a head group): the broadcasts of the next ``lookahead`` stages' shards are in
-    flight; stage r+1 is projected and its K/V all-gather started before stage r attends, so
-    that the gather runs during the attention. In the zigzag layout a stage attends first to
-    this rank's own two key chunks, which need no transfer (stage r+1's before stage r's
-    others; stage 0's once stage 1's gather is posted too), then to the others' once they
-    arrive, merged with the first part by lse inside the op. Stage r's attention output goes
-    into its columns of O, each projection shard into its columns of Wproj, and each weight
-    buffer goes. Backward re-broadcasts W_r, re-gathers K_r, V_r from the saved projections
-    ``m_r`` and runs the attention kernels' backward from ``(O_r, lse_r)``: no attention
-    forward and no projection GEMM is recomputed. Stage r+1's K/V gather is started before
-    stage r's attention backward, and stage r's dK/dV reduce-scatter is in flight while stage
-    r+1 computes (stage r's input and weight gradients are finished after it). Sums run in
-    the same order with and without overlap (``args.overlap``): bit-identical results where
-    the attention kernels are deterministic (the CPU's; not flash-attn's backward on a GPU).
-    """
-
-    @staticmethod
-    def forward(ctx, args: AttentionScheduleArgs, x, *params):
-        n_shard = 3 if args.has_bias else 2
-        learnable = args.softmax_type == "learnable"
-        own, replicated = params[:n_shard], params[n_shard:len(params) - learnable]
-        d_size = args.kv_group.size()
-        sinks = head_group_sinks(args, params[-1] if learnable else None, x.device)
-        out = x.new_empty(x.shape[:2] + (args.width,))  # O: head group r in columns(r)
-        proj = own[-1] if d_size == 1 else own[-1].new_empty(own[-1].size(0), args.width)
-        projections, lses = [None] * d_size, []
-        with comm.InFlight() as inflight:
-            stream = WeightBroadcast(own, args.weight_group, inflight, first=args.chain.take(args.module))
-            ahead = (args.lookahead if args.overlap else 0) * args.groups_per_call  # in head groups
-
-            def use(r: int) -> List[torch.Tensor]:
-                """Shard r, with the shards of the next ``lookahead`` stages in flight behind it."""
-                stream.start(r + ahead)
-                return stream.wait(r)
-
-            def project(s: int) -> HeadGroup:
-                local, queries = None, []
-                for j, r in enumerate(args.stage_groups(s)):
-                    shard = use(r)
-                    mixed = F.linear(x, *shard[:-1])
-                    projections[r] = mixed
-                    if local is None:
-                        local = send_buffer(mixed.shape[:2] + (args.groups_per_call * args.kv_heads, args.head_dim),
-                                            mixed)
-                    query, _, _ = args.split_heads(mixed, args.rope, local[:, :, :, args.group_heads(j)[1]])
-                    queries.append(query)
-                    if d_size > 1:
-                        proj[:, args.columns(r)].copy_(shard[-1])
-                    stream.release(r)
-                return HeadGroup(side_by_side(queries, 2), GatherKV(local, args.kv_group, inflight)
-                                 if d_size > 1 else local, local)
-
-            def attend_own(s: int, group: Optional[HeadGroup]) -> Optional[HeadGroup]:
-                """Stage s's blocks against this rank's own keys, which need nothing to arrive."""
-                if group is None or args.own_keys_first is None:
-                    return group
-                if not args.overlap:  # the transfer, then the compute
-                    inflight.wait(group.kv.works())
-                keys, values = group.local[:, 0], group.local[:, 1]
-                parts = []
-                for (rows, _), (mine, others) in zip(args.chunks, args.own_keys_first):
-                    o = columns(s)[rows]  # final where the chunk sees no other keys
-                    part = o.new_empty(o.shape, dtype=torch.float32) if others else o
-                    parts.append((part, attend_into(group.query[rows], keys, values, mine, args.softmax_scale,
-                                                    args.backend, part)))
-                return group._replace(own=parts)
-
-            def columns(s: int) -> torch.Tensor:
-                return out[..., args.stage_columns(s)].view(out.shape[:2] + (-1, args.head_dim))
-
-            def arrived(group: HeadGroup, i: int) -> Tuple[torch.Tensor, torch.Tensor]:
-                """The stage's gathered K and V, once what query chunk i attends to has arrived."""
-                if d_size == 1:
-                    return group.kv[:, 0], group.kv[:, 1]
-                return group.kv.wait_first() if i == 0 else group.kv.wait()
-
-            for r in range(args.groups_per_call + ahead):
-                stream.start(r)
-            group = project(0)
-            stages = args.stages
-            for s in range(stages):
-                upcoming = None
-                if args.overlap:
-                    if s == stages - 1:  # the next layer's first shard travels during this last stage
-                        args.chain.post_next(args.module, backward=False,
-                                             then_backward=args.backward_follows and any(ctx.needs_input_grad))
-                    upcoming = project(s + 1) if s + 1 < stages else None
-                if s == 0:  # once the next stage's gather is posted too
-                    group = attend_own(0, group)
-                if args.overlap:  # while this stage's K/V still travel
-                    upcoming = attend_own(s + 1, upcoming)
-                o = columns(s)
-                groups = args.stage_groups(s)
-                sink = None if sinks is None else sinks[groups.start:groups.stop].reshape(-1)
-                for i, (rows, blocks) in enumerate(args.chunks):  # the first chunk's keys arrive first
-                    if group.own is None:
-                        lse = attend_into(group.query[rows], *arrived(group, i), blocks, args.softmax_scale,
-                                          args.backend, o[rows])
-                    else:  # the blocks against the other ranks' keys, merged with the own keys' part
-                        (part, lse), others = group.own[i], args.own_keys_first[i][1]
-                        if others:
-                            lse = attend_into(group.query[rows], *arrived(group, i), others, args.softmax_scale,
-                                              args.backend, o[rows], before=(part, lse))
-                    lses.append(lse if sink is None else apply_sink(bhsd(o[rows])[0], lse, sink))
-                if not args.overlap and s + 1 < stages:
-                    upcoming = attend_own(s + 1, project(s + 1))
-                group = upcoming
-        y = F.linear(out, proj)  # one GEMM over the head groups: fp32 inside, rounded once
-        ctx.args = replace(args, rope=None)  # the tables travel as saved tensors
-        Saved(x, out, own, replicated, projections, lses, list(args.rope or ()),
-              [] if sinks is None else [sinks]).save(ctx)
-        ctx.prefetched = []
-        if args.overlap and d_size > 1 and args.backward_follows and any(ctx.needs_input_grad):
-            args.chain.stash(args.module, lambda inflight: post_backward_regathers(ctx, inflight))
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        saved = Saved.load(ctx)
-        args: AttentionScheduleArgs = replace(ctx.args, rope=tuple(saved.rope) or None)
-        grads = HeadGroupGradients(args, dy, saved, ctx.prefetched)
-        with comm.InFlight() as inflight:
-            for inputs in ctx.prefetched:  # posted by the MLP before: waited for here if this fails
-                inputs.kv.adopt(inflight)
-            ctx.prefetched = []
-            stream = WeightBroadcast(saved.own, args.weight_group, inflight, first=args.chain.take(args.module))
-            ahead = (args.lookahead if args.overlap else 0) * args.groups_per_call  # in head groups
-            for r in range(args.groups_per_call + ahead):
-                stream.start(r)
-            inputs = grads.inputs(0, inflight)
-            scattering: Optional[HeadGroupAttentionGrads] = None  # dK/dV being reduce-scattered
-            stages = args.stages
-            for s in range(stages):
-                upcoming = None
-                if args.overlap:
-                    for r in args.stage_groups(s):  # the stage's shards `lookahead` stages on
-                        stream.start(r + args.groups_per_call + ahead)
-                    if s == stages - 1:
-                        args.chain.post_next(args.module, backward=True)
-                    upcoming = grads.inputs(s + 1, inflight) if s + 1 < stages else None
-                shards = [stream.wait(r) for r in args.stage_groups(s)]
-                finished = grads.attention(s, shards, inputs, stream, inflight)
-                if args.overlap:
-                    finished, scattering = scattering, finished
-                if finished is not None:
-                    grads.weights(finished, stream)
-                if not args.overlap and s + 1 < stages:
-                    for r in args.stage_groups(s + 1):
-                        stream.start(r)
-                    upcoming = grads.inputs(s + 1, inflight)
-                inputs = upcoming
-            if scattering is not None:
-                grads.weights(scattering, stream)
-            own_grad = stream.own_grad()
-        d_sink = [grads.own_sink_grad()] if args.softmax_type == "learnable" else []
-        return (None, grads.dx.view_as(saved.x).to(saved.x.dtype), *deliver_grads(saved.own, own_grad),
-                *(g.to(p.dtype) for g, p in zip(grads.d_replicated, saved.replicated)), *d_sink)
-
-
-def head_group_sinks(args: AttentionScheduleArgs, sink: Optional[torch.Tensor], device) -> Optional[torch.Tensor]:
-    """Every head group's sink logits ``[D, a/D]`` in fp32 (:func:`apply_sink`): megatron's
-    learnable ones all-gathered from their owners (rank r holds head group r's, as it holds
-    its weights), off-by-one's zeros; None for the vanilla softmax."""
-    if args.softmax_type == "vanilla":
-        return None
-    d_size = args.kv_group.size()
-    heads = args.width // args.head_dim // d_size
-    if sink is None:
-        return torch.zeros(d_size, heads, device=device)
-    sink = sink.detach().float().contiguous()
-    if d_size == 1:
-        return sink.view(1, heads)
-    full = sink.new_empty(d_size * heads)
-    dist.all_gather_into_tensor(full, sink, group=args.kv_group)
-    return full.view(d_size, heads)
-
-
-class Saved(NamedTuple):
-    """What the forward keeps for backward (by ``save_for_backward``, so that saved-tensor
-    hooks see it): the input, the concatenated attention output O, per head group r the
-    projection ``m_r``, per stage and query chunk the log-sum-exp (stage-major), the
-    RoPE tables of this rank's tokens (empty without RoPE), and every head group's sink
-    logits ``[D, a/D]`` (empty with megatron's vanilla softmax; O and the lse are then those
-    of the softmax with the sink, :func:`apply_sink`)."""
-
-    x: torch.Tensor
-    out: torch.Tensor
-    own: List[torch.Tensor]
-    replicated: List[torch.Tensor]
-    projections: List[torch.Tensor]
-    lses: List[torch.Tensor]
-    rope: List[torch.Tensor]
-    sinks: List[torch.Tensor]
-
-    def save(self, ctx) -> None:
-        ctx.saved_layout = [len(p) for p in (self.own, self.replicated, self.projections, self.lses, self.rope)]
-        ctx.save_for_backward(self.x, self.out, *self.own, *self.replicated, *self.projections, *self.lses,
-                              *self.rope, *self.sinks)
-
-    @classmethod
-    def load(cls, ctx) -> "Saved":
-        x, out, *rest = ctx.saved_tensors
-        cuts = list(itertools.accumulate(ctx.saved_layout))
-        parts = [rest[a:b] for a, b in zip([0] + cuts, cuts + [len(rest)])]
-        return cls(x, out, *(list(p) for p in parts))
-
-
-class HeadGroupInputs(NamedTuple):
-    """Backward, one stage: per head group of it, q, k, v recomputed from the saved
-    projection ``mixed`` (the local graph of norms and RoPE, kept for autograd); the
-    stage's queries side by side, and its K/V being gathered."""
-
-    mixed: List[torch.Tensor]
-    query: List[torch.Tensor]
-    key: List[torch.Tensor]
-    value: List[torch.Tensor]
-    queries: torch.Tensor
-    kv: object
-
-
-def regather_inputs(args: AttentionScheduleArgs, saved: Saved, s: int, inflight: comm.InFlight) -> HeadGroupInputs:
-    """Stage s's backward inputs: q, k, v from its saved projections, K/V gather started."""
-    mixed, query, key, value = [], [], [], []
-    local = None
-    for j, r in enumerate(args.stage_groups(s)):
-        m = saved.projections[r].detach().requires_grad_()
-        with torch.enable_grad():
-            q, k, v = args.split_heads(m, args.rope)
-        if local is None:
-            local = send_buffer(k.shape[:2] + (args.groups_per_call * k.size(2), k.size(3)), k)
-        heads = args.group_heads(j)[1]
-        local[:, 0, :, heads].copy_(k.detach())
-        local[:, 1, :, heads].copy_(v.detach())
-        for parts, t in zip((mixed, query, key, value), (m, q, k, v)):
-            parts.append(t)
-    kv = GatherKV(local, args.kv_group, inflight) if args.kv_group.size() > 1 else local
-    return HeadGroupInputs(mixed, query, key, value, side_by_side([q.detach() for q in query], 2), kv)
-
-
-def post_backward_regathers(ctx, inflight: comm.InFlight) -> List[dist.Work]:
-    """Start the backward's first K/V re-gather now, stage 0's, from its saved projections
-    (called by the MLP after this attention, as its own backward starts: :mod:`prefetch`).
-    The gathered K/V are then held through the MLP's backward, one stage's. Its transfers
-    are registered with the caller's ``inflight`` (waited for if the caller fails), which
-    hands them over on success (the returned works); the attention backward adopts them."""
-    saved = Saved.load(ctx)
-    args = replace(ctx.args, rope=tuple(saved.rope) or None)
-    ctx.prefetched = [regather_inputs(args, saved, 0, inflight)]
-    return [work for inputs in ctx.prefetched for work in inputs.kv.works()]
-
-
-class HeadGroupAttentionGrads(NamedTuple):
-    """Backward, one stage after its attention backward: its head groups' weight shards,
-    dq, its dK/dV being reduce-scattered to the token owners, and per head group the fp32
-    buffer its weight gradients go into (the output projection's is written already). The
-    last stage's blocks against this rank's own keys may be still to run (``own_keys``:
-    runs them into the buffer it is given; :meth:`HeadGroupGradients.weights`)."""
-
-    s: int
-    shards: List[List[torch.Tensor]]
-    inputs: HeadGroupInputs
-    dq: torch.Tensor
-    dkv: object
-    flats: List[torch.Tensor]
-    own_keys: Optional[Callable[[torch.Tensor], None]] = None
-
-
-class HeadGroupGradients:
-    """The backward of one stage s (its head groups side by side), in three steps the
-    schedule interleaves across stages: :meth:`inputs` (q, k, v from the saved projections,
-    K/V gather started), :meth:`attention` (dWproj, attention backward up to dq, dK/dV
-    reduce-scatter started), :meth:`weights` (per head group dx, dWqkv, reduce to the owner,
-    once dK/dV are back). ``dx`` is summed over head groups inside its GEMMs, in fp32 and in
-    head-group order; the norm gradients in fp32."""
-
-    def __init__(self, args: AttentionScheduleArgs, dy, saved: Saved, prefetched: Sequence[HeadGroupInputs] = ()):
-        self.args, self.dy, self.saved, self.prefetched = args, dy, saved, list(prefetched)
-        self.dy2d = dy.reshape(-1, dy.size(-1))
-        self.x2d = saved.x.reshape(-1, saved.x.size(-1))
-        self.out2d = saved.out.view(-1, saved.out.size(-1))
-        self.dx: Optional[torch.Tensor] = None
-        self._dkv: List[Optional[torch.Tensor]] = [None, None]
-        self.d_replicated = [torch.zeros_like(p, dtype=torch.float32) for p in saved.replicated]
-        # every head group's sink gradient from this rank's queries, summed at its owner at the end
-        self.d_sinks = torch.zeros_like(saved.sinks[0]) if args.softmax_type == "learnable" else None
-
-    def inputs(self, s: int, inflight: comm.InFlight) -> HeadGroupInputs:
-        if s < len(self.prefetched) and self.prefetched[s] is not None:
-            taken, self.prefetched[s] = self.prefetched[s], None
-            return taken
-        return regather_inputs(self.args, self.saved, s, inflight)
-
-    def attention(self, s: int, shards, inputs: HeadGroupInputs, stream: WeightBroadcast,
-                  inflight: comm.InFlight) -> HeadGroupAttentionGrads:
-        args = self.args
-        groups = args.stage_groups(s)
-        flats = []
-        for r in groups:
-            flats.append(stream.grad_buffer())
-            gemm_t(self.dy2d, self.out2d[:, args.columns(r)], out=unpack(flats[-1], self.saved.own)[-1])  # dWproj_r
-        d_out = side_by_side([self.dy @ shard[-1] for shard in shards], 2).view(self.dy.shape[:2] + (-1, args.head_dim))
-        out = self.saved.out[..., args.stage_columns(s)].view(d_out.shape)
-        spread = args.kv_group.size() > 1
-        keys, values = inputs.kv.wait() if spread else (inputs.kv[:, 0], inputs.kv[:, 1])
-        dkv, fresh = self._dkv_buffer(s, keys)
-        query = inputs.queries
-        dq = torch.empty_like(query)
-        scatter = ScatterKVGrads(dkv, args.kv_group, inflight) if spread else dkv
-        n = len(args.chunks)
-        lse = torch.cat(self.saved.lses[s * n:(s + 1) * n], dim=-1)
-        if self.d_sinks is not None:
-            sinks = self.saved.sinks[0][groups.start:groups.stop]
-            self.d_sinks[groups.start:groups.stop] += sink_grad(*bhsd(d_out, out), lse,
-                                                                sinks.reshape(-1)).view(sinks.shape)
-
-        def run(blocks, first, last, dkv, zero_untouched):
-            attend_backward_into(d_out, query, keys, values, out, lse, blocks, args.softmax_scale, args.backend,
-                                 dq, dkv[:, 0], dkv[:, 1], first, last, zero_untouched=zero_untouched)
-
-        if s == args.stages - 1 and args.own_keys_last is not None:
-            # the last stage: nothing computes beside its dK/dV unless its own blocks do.
-            # The blocks against the other ranks' keys first; this rank's own rows of the
-            # buffer are zeros for the reduce-scatter, and its own blocks run into another
-            # buffer while it travels (:meth:`weights` adds them to what arrives).
-            blocks, split = args.own_keys_last
-            run(blocks, 0, split, dkv, fresh)
-            for rows in self._own_rows(dkv.size(0)):
-                dkv[rows].zero_()
-            scatter.post_second_halves()
-            scatter.post_first_halves()
-            return HeadGroupAttentionGrads(s, shards, inputs, dq, scatter, flats,
-                                           lambda target: run(blocks, split, len(blocks), target, False))
-        blocks, split = args.backward_blocks
-        # once the first blocks have run, every rank's second chunk of dK/dV is final and
-        # travels while the rest run
-        for first, last in ((0, split), (split, len(blocks))):
-            if first < last:
-                run(blocks, first, last, dkv, fresh and first == 0)
-            if spread and first == 0:
-                scatter.post_second_halves()
-        if spread:
-            scatter.post_first_halves()
-        return HeadGroupAttentionGrads(s, shards, inputs, dq, scatter, flats)
-
-    def _own_rows(self, rows: int) -> Tuple[slice, slice]:
-        """This rank's two chunks in the zigzag layout of ``rows`` key rows: its second
-        (slot p) and its first (slot D+p), as :class:`ScatterKVGrads` hands them back."""
-        d, p = self.args.kv_group.size(), self.args.kv_group.rank()
-        c = rows // (2 * d)
-        return slice(p * c, (p + 1) * c), slice((d + p) * c, (d + p + 1) * c)
-
-    def own_sink_grad(self) -> torch.Tensor:
-        """This rank's head group's sink gradient: every rank's part of it, summed here."""
-        group = self.args.kv_group
-        if group.size() == 1:
-            return self.d_sinks[0]
-        own = self.d_sinks.new_empty(self.d_sinks.size(1))
-        dist.reduce_scatter_tensor(own, self.d_sinks.view(-1), group=group)
-        return own
-
-    def _dkv_buffer(self, s: int, keys: torch.Tensor) -> Tuple[torch.Tensor, bool]:
-        """Stage s's fp32 dK/dV buffer and whether it is fresh. Two buffers alternate (stage
-        s's is free again once its reduce-scatter has finished, before stage s+2's attention
-        backward): the key rows no block of this rank touches are zeroed once per buffer, not
-        once per stage."""
-        slot = s % 2
-        if self._dkv[slot] is None:
-            self._dkv[slot] = grad_buffer(keys.size(0), keys)
-            return self._dkv[slot], True
-        return self._dkv[slot], False
-
-    def weights(self, g: HeadGroupAttentionGrads, stream: WeightBroadcast) -> None:
-        own = None
-        if g.own_keys is not None:  # the stage before it has its dK/dV back: its buffer is free
-            own = self._dkv[(g.s - 1) % 2]
-            if own is None:  # one stage: there was none before it
-                own = torch.empty_like(self._dkv[g.s % 2])
-            g.own_keys(own)
-        dk, dv = g.dkv.wait() if self.args.kv_group.size() > 1 else (g.dkv[:, 0], g.dkv[:, 1])
-        if own is not None:
-            second, first = self._own_rows(own.size(0))
-            c = second.stop - second.start
-            g.dkv.local[:c] += own[first]
-            g.dkv.local[c:] += own[second]
-        for j, r in enumerate(self.args.stage_groups(g.s)):
-            queries, kv_heads = self.args.group_heads(j)
-            key, value = g.inputs.key[j], g.inputs.value[j]
-            d_mixed, *d_norms = torch.autograd.grad(
-                (g.inputs.query[j], key, value), (g.inputs.mixed[j], *self.saved.replicated),
-                (g.dq[:, :, queries], dk[:, :, kv_heads].to(key.dtype), dv[:, :, kv_heads].to(value.dtype)))
-            for acc, d in zip(self.d_replicated, d_norms):
-                acc += d
-            d_mixed2d = d_mixed.reshape(-1, d_mixed.size(-1))
-            self.dx = gemm(d_mixed2d, g.shards[j][0], out=self.dx, accumulate=self.dx is not None)
-            views = unpack(g.flats[j], self.saved.own)
-            gemm_t(d_mixed2d, self.x2d, out=views[0])
-            if self.args.has_bias:
-                torch.sum(d_mixed2d, dim=0, dtype=torch.float32, out=views[1])
-            stream.release(r)
-            stream.reduce(r, g.flats[j])

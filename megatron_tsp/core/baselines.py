@@ -31,7 +31,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_tsp.core import zigzag
 from megatron_tsp.core.attention_kernels import validate_backend
 from megatron_tsp.core.block_attention import block_attention
-from megatron_tsp.core.block_geometry import window_of
+from megatron_tsp.core.block_geometry import rank_chunks, window_of
 from megatron_tsp.core.documents import document_starts
 from megatron_tsp.core.kv import AllGatherKV
 from megatron_tsp.core.spec import norm_spec, stage_layers, with_ring_mlp
@@ -92,7 +92,7 @@ class FlashDotProductAttention(MegatronModule):
         if size > 1:
             indices = self.zigzag.get(key.size(0) * size, size, rank, key.device)
             key, value = AllGatherKV.apply(key, value, self.cp_group, indices)
-            chunk_ids = zigzag.rank_chunks(size, rank)
+            chunk_ids = rank_chunks(size, rank)
         out = block_attention(query, key, value, chunk_ids, self.softmax_scale, self.backend, self.softmax_offset,
                               self.window, documents)
         return out.reshape(out.size(0), out.size(1), -1)

@@ -10,7 +10,9 @@ flash-attn >= 2.1) takes one call per chunk; any other gets two blocks per chunk
     a *full* block    keys [0, g·c)          no mask            (absent when g = 0)
     a *causal* block  keys [g·c, (g+1)·c)    square, causal
 
-TSP gathers its keys in the zigzag layout (:func:`zigzag_blocks`) and regroups the blocks for
+TSP gathers its keys in the zigzag layout (:func:`zigzag_blocks`; which chunks a rank holds
+and which key slot a chunk sits in, :func:`rank_chunks` and :func:`zigzag_slot`, are stated
+here for every module, so that the geometry needs no torch) and regroups the blocks for
 its backward and its overlapped schedules (:func:`zigzag_backward_blocks`,
 :func:`zigzag_own_keys_last`, :func:`zigzag_own_keys_first`). Sliding windows and packed
 documents are blocks too (:func:`document_blocks`): key pieces out of a query piece's reach
@@ -82,6 +84,26 @@ def blocks(chunk_ids: Sequence[int], chunk: int, bottom_right: bool = False, win
     return out
 
 
+def rank_chunks(size: int, rank: int) -> Tuple[int, int]:
+    """The global chunks (of 2D) that TSP rank ``rank`` of ``size`` holds, its first and its
+    second: ``rank`` and ``2D-1-rank``, so that every rank does the same causal work (the
+    zigzag layout, docs/design.md section 4)."""
+    return rank, 2 * size - 1 - rank
+
+
+def zigzag_slot(size: int, chunk: int) -> int:
+    """The key slot of global chunk ``chunk`` in the zigzag layout K/V are gathered into
+    (:class:`megatron_tsp.core.kv.GatherKV`): the ranks' second chunks in rank order (slot q
+    holds chunk 2D-1-q), then their first chunks (slot D+q holds chunk q)."""
+    return size + chunk if chunk < size else 2 * size - 1 - chunk
+
+
+def rank_slots(size: int, rank: int) -> Tuple[int, int]:
+    """The key slots of TSP rank ``rank``'s first and second chunk: D+rank and rank."""
+    first, second = rank_chunks(size, rank)
+    return zigzag_slot(size, first), zigzag_slot(size, second)
+
+
 def zigzag_blocks(size: int, rank: int, chunk: int, bottom_right: bool = False) -> List[Block]:
     """The kernel calls of TSP rank ``rank``'s queries (its chunks r and 2D-1-r, in that
     order) against keys gathered in the *zigzag layout* (:class:`megatron_tsp.core.kv.GatherKV`):
@@ -145,8 +167,8 @@ def zigzag_own_keys_last(size: int, rank: int, chunk: int) -> Tuple[List[Block],
 
 def _cut_at_own_slots(k0: int, k1: int, size: int, rank: int, chunk: int) -> List[Tuple[int, int, Optional[int]]]:
     """Key rows ``[k0, k1)`` of the zigzag layout cut at the edges of rank ``rank``'s own two
-    slots (``rank`` and D+rank): ``(a, b, first row of the own slot it lies in, or None)``."""
-    own = (rank * chunk, (size + rank) * chunk)
+    slots (:func:`rank_slots`): ``(a, b, first row of the own slot it lies in, or None)``."""
+    own = [slot * chunk for slot in rank_slots(size, rank)]
     cuts = sorted({k0, k1, *(x for s in own for x in (s, s + chunk) if k0 < x < k1)})
     return [(a, b, next((s for s in own if s <= a and b <= s + chunk), None)) for a, b in zip(cuts, cuts[1:])]
 
@@ -161,7 +183,7 @@ def zigzag_own_keys_first(size: int, rank: int, chunk: int, chunk_blocks: Sequen
     slots' edges (slot D+rank: rows 0..c; slot rank: rows c..2c), and a bottom-right causal
     block over more keys than queries into a full block and its square causal end: exact
     once each query chunk's two parts are merged by lse."""
-    own = {(size + rank) * chunk: 0, rank * chunk: chunk}  # slot's first key row -> own row
+    own = {slot * chunk: i * chunk for i, slot in enumerate(rank_slots(size, rank))}  # slot's first key row -> own row
     split = []
     for blocks_ in chunk_blocks:
         mine, others = [], []
@@ -278,11 +300,6 @@ def _document_piece(out: List[Block], row_of: int, a: int, b: int, start: int, c
     _append_merged(out, full, cuts)
 
 
-def _zigzag_slot(size: int, natural: int) -> int:
-    """The key slot of natural chunk ``natural`` in the zigzag layout (:func:`zigzag_blocks`)."""
-    return size + natural if natural < size else 2 * size - 1 - natural
-
-
 def _early_first(size: int, chunk: int, forward: List[Block]) -> Tuple[List[Block], int]:
     """The backward's order of blocks none of which spans the slots' halves: those on slots
     0..D-1 (only the rank's chunk 2D-1-r reaches them) first, which then travel."""
@@ -298,8 +315,8 @@ def zigzag_window_blocks(size: int, rank: int, chunk: int, window: int,
     d, c = size, chunk
     piece = window_piece(c, window, backend)
     per = c // piece
-    queries = [(i * c + j * piece, g * per + j) for i, g in enumerate((rank, 2 * d - 1 - rank)) for j in range(per)]
-    forward = document_blocks(queries, piece, lambda h: _zigzag_slot(d, h // per) * c + (h % per) * piece,
+    queries = [(i * c + j * piece, g * per + j) for i, g in enumerate(rank_chunks(d, rank)) for j in range(per)]
+    forward = document_blocks(queries, piece, lambda h: zigzag_slot(d, h // per) * c + (h % per) * piece,
                               cuts=(d * c,), window=window)
     return forward, _early_first(d, c, forward)
 
@@ -316,8 +333,8 @@ def zigzag_document_blocks(size: int, rank: int, chunk: int, starts: Sequence[Se
 def _zigzag_document_blocks(size: int, rank: int, chunk: int, starts: Tuple[Tuple[int, ...], ...],
                             window: int) -> Tuple[List[Block], Tuple[List[Block], int]]:
     d, c = size, chunk
-    forward = document_blocks([(0, rank), (c, 2 * d - 1 - rank)], c, lambda h: _zigzag_slot(d, h) * c, starts,
-                              cuts=(d * c,), window=window)
+    forward = document_blocks([(i * c, g) for i, g in enumerate(rank_chunks(d, rank))], c,
+                              lambda h: zigzag_slot(d, h) * c, starts, cuts=(d * c,), window=window)
     return forward, _early_first(d, c, forward)
 
 

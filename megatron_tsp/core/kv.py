@@ -3,6 +3,7 @@
 A rank r of D holds the tokens of zigzag chunks r and 2D-1-r (:mod:`megatron_tsp.core.zigzag`),
 ``[2c, ...]`` with its first chunk on top. TSP gathers K/V with two all-gathers, of every
 rank's second chunks and of every rank's first chunks, into the *zigzag layout*
+(:func:`megatron_tsp.core.block_geometry.zigzag_slot`)
 
     slot q < D: chunk 2D-1-q (rank q's second chunk)      slot D+q: chunk q (rank q's first)
 
@@ -22,7 +23,16 @@ from typing import Tuple
 import torch
 
 from megatron_tsp.core import comm
+from megatron_tsp.core.block_geometry import rank_slots
 from megatron_tsp.core.zigzag import Indices
+
+
+def _halves(full: torch.Tensor, d: int, c: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The rows of every rank's first chunk and of every rank's second chunk in the zigzag
+    layout ``full`` (chunks of ``c`` rows): each in rank order, since rank q's slots are
+    those of rank 0 plus q."""
+    first, second = rank_slots(d, 0)
+    return full[first * c:(first + d) * c], full[second * c:(second + d) * c]
 
 
 def send_buffer(key_shape, like: torch.Tensor) -> torch.Tensor:
@@ -42,8 +52,9 @@ class GatherKV:
         d, c = group.size(), local.size(0) // 2
         self.full = local.new_empty((2 * d * c,) + tuple(local.shape[1:]))
         self.inflight = inflight
-        self.first = comm.all_gather(self.full[d * c :], local[:c], group, inflight)
-        self.second = comm.all_gather(self.full[: d * c], local[c:], group, inflight)
+        firsts, seconds = _halves(self.full, d, c)
+        self.first = comm.all_gather(firsts, local[:c], group, inflight)
+        self.second = comm.all_gather(seconds, local[c:], group, inflight)
         self._local = local  # alive until the collectives have read it
 
     def works(self):
@@ -89,12 +100,12 @@ class ScatterKVGrads:
         self.handles = []
 
     def post_second_halves(self) -> None:
-        d, c = self.d, self.c
-        self.handles.append(comm.reduce_scatter(self.local[c:], self.full[: d * c], self.group, self.inflight))
+        seconds = _halves(self.full, self.d, self.c)[1]
+        self.handles.append(comm.reduce_scatter(self.local[self.c:], seconds, self.group, self.inflight))
 
     def post_first_halves(self) -> None:
-        d, c = self.d, self.c
-        self.handles.append(comm.reduce_scatter(self.local[:c], self.full[d * c :], self.group, self.inflight))
+        firsts = _halves(self.full, self.d, self.c)[0]
+        self.handles.append(comm.reduce_scatter(self.local[:self.c], firsts, self.group, self.inflight))
 
     def wait(self) -> Tuple[torch.Tensor, torch.Tensor]:
         self.inflight.wait(self.handles)

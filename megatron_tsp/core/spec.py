@@ -72,7 +72,7 @@ def get_gpt_layer_tsp_spec(
     write to ``spec.submodules.self_attention.submodules.core_attention``. The layers built
     from one spec share its zigzag index cache and layer chain (:mod:`prefetch`); ``lookahead``:
     head-group shards in flight ahead of the one in use (each one more shard of memory);
-    ``head_groups_per_call``: see :func:`megatron_tsp.core.attention.head_groups_per_call`.
+    ``head_groups_per_call``: see :func:`megatron_tsp.core.head_groups.head_groups_per_call`.
     """
     chain = LayerChain()  # one per model, not per layer
     logging.getLogger("megatron.core.transformer.transformer_layer").addFilter(_EXPECTED_MLP_WARNING)

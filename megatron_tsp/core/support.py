@@ -1,13 +1,15 @@
-"""What TSP supports: one row per Megatron-LM setting that TSP restricts.
+"""What TSP supports: one row per Megatron-LM setting that TSP restricts, and per setting of
+TSP's own.
 
 Each :class:`Rule` names the flag, says which values TSP accepts at size D, why, and the fix.
 Every reader gets one wording (:meth:`Rule.message`):
 
-* model build: the TSP layers check their ``TransformerConfig`` (:func:`check_attention_config`,
-  :func:`check_mlp_config`; ``core.attention``, ``core.mlp``, ``core.hybrid``), so a wrong
-  model never runs; a config field that no rule reads and that TSP does not implement
-  (:data:`CONFIG_IMPLEMENTED`) or ignore harmlessly (:data:`CONFIG_NEUTRAL`) is refused away
-  from its default, so what this list forgets is refused, not passed;
+* model build: the TSP layers check their ``TransformerConfig`` and their own settings
+  (:func:`check_attention_config`, :func:`check_mlp_config`; ``core.attention``,
+  ``core.mlp``, ``core.hybrid``), so a wrong model never runs; a config field that no rule
+  reads and that TSP does not implement (:data:`CONFIG_IMPLEMENTED`) or ignore harmlessly
+  (:data:`CONFIG_NEUTRAL`) is refused away from its default, so what this list forgets is
+  refused, not passed;
 * sizes and layouts: ``core.sizes``, ``core.zigzag`` and ``core.prefetch`` call :func:`require`;
 * ``megatron-tsp`` configs: ``run.config`` checks the keys it knows (:func:`violations`);
 * Megatron-LM: ``megatron_lm.translate_argv`` checks the command line.
@@ -34,9 +36,10 @@ class Rule:
     Megatron-LM's args. ``attr``: the ``TransformerConfig`` field when it differs from the
     key (None: not on the config). ``layer``: what it concerns (``layout``: TSP's place among
     the parallel dimensions; ``all``, ``attention``, ``mlp``: the TSP layers; ``launch``: only
-    the command line has it; the ring MLP in a TP model reads ``all`` and ``mlp``). ``type``:
-    how a command-line value reads. ``moe``: the setting concerns mixture-of-experts layers,
-    and a model without experts is not held to it."""
+    the command line has it; ``tsp``: TSP's own settings, of megatron-tsp's configs and the
+    TSP layers, which Megatron-LM does not have; the ring MLP in a TP model reads ``all`` and
+    ``mlp``). ``type``: how a command-line value reads. ``moe``: the setting concerns
+    mixture-of-experts layers, and a model without experts is not held to it."""
 
     flag: str
     why: str
@@ -108,6 +111,14 @@ def window_pair(value: Any) -> Optional[Tuple[int, ...]]:
         raise ValueError(f"--window-size must be two integers W,0 (got {value!r})") from None
 
 
+def _groups_per_call_ok(value: Any, tsp_size: int) -> bool:
+    """``--tsp-head-groups-per-call``: auto (``auto``, or 0 as configs write it) or a
+    positive divisor of the TSP size: a layer's D head groups run in stages of that many."""
+    if isinstance(value, bool):
+        return False
+    return value in ("auto", 0) or (isinstance(value, int) and value > 0 and tsp_size % value == 0)
+
+
 def causal_window(value: Any) -> bool:
     """Whether ``window_size`` is unset or a causal sliding window ``(W, 0)``, W >= 0: the
     query sees itself and the W keys before it. megatron-core's local attention masks
@@ -156,6 +167,12 @@ RULES: List[Rule] = [
          "use attention (*) and MLP (-) layers, with | between pipeline stages",
          ok=lambda v, d: v is None or set(v) <= set("*-|"), must="attention (*) and MLP (-) layers only",
          attr=None, layer="launch", type=str),
+    # TSP's own settings
+    _value("--tsp-lookahead", "1 or more", lambda v, d: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
+           "it counts the weight shards in flight ahead of the one in use (to overlap nothing, run the "
+           "tsp-no-overlap mode)", attr=None, layer="tsp"),
+    _value("--tsp-head-groups-per-call", "0 (auto) or a divisor of the TSP size", _groups_per_call_ok,
+           "the attention runs its D head groups in stages of that many", attr=None, layer="tsp"),
     # Megatron-LM command line only
     _feature("--spec", "the TSP layer spec is chosen by --tsp-size", "drop --spec", attr=None, layer="launch"),
     _feature("--use-legacy-models", "TSP needs megatron-core models", "drop --use-legacy-models", attr=None,
@@ -264,7 +281,7 @@ def unlisted_settings(config: TransformerConfig) -> Iterator[Tuple[str, Any, Any
             yield name, value, default
 
 
-def violations(values: Mapping[str, Any], tsp_size: int, layers=("layout", "all", "attention", "mlp"),
+def violations(values: Mapping[str, Any], tsp_size: int, layers=("layout", "all", "attention", "mlp", "tsp"),
                name: Callable[[Rule], str] = lambda rule: rule.flag, under: str = "--tsp-size") -> Iterator[str]:
     """The message of every rule of ``layers`` that a setting of ``values`` (``{flag: value}``;
     a flag that is not there is not checked) breaks at TSP size ``tsp_size``; ``name(rule)``:
@@ -305,14 +322,19 @@ def _check_config(config: TransformerConfig, tsp_size: int, module: str, layers,
                          f"implement; leave it at its default ({default!r})")
 
 
-def check_attention_config(config: TransformerConfig, tsp_size: int, attn_mask_type=None) -> None:
-    """What ``TSPSelfAttention`` checks at construction (default mask: causal): one ValueError line."""
+def check_attention_config(config: TransformerConfig, tsp_size: int, attn_mask_type=None, lookahead: int = 1,
+                           head_groups_per_call: Any = "auto") -> None:
+    """What ``TSPSelfAttention`` checks at construction (default mask: causal; its own
+    settings ``--tsp-lookahead`` and ``--tsp-head-groups-per-call`` at any size, since it
+    reads them at any): one ValueError line."""
     from megatron.core.transformer.enums import AttnMaskType
 
     _check_config(config, tsp_size, "TSPSelfAttention", ("layout", "all", "attention"))
     if attn_mask_type not in (None, AttnMaskType.causal):
         raise ValueError(f"TSPSelfAttention supports causal attention only (got {attn_mask_type.name}); "
                          "use the TSP layer spec, which sets it")
+    require("--tsp-lookahead", lookahead, tsp_size, "TSPSelfAttention")
+    require("--tsp-head-groups-per-call", head_groups_per_call, tsp_size, "TSPSelfAttention")
 
 
 def check_mlp_config(config: TransformerConfig, size: int, ffn_hidden_size: int, under: str = "--tsp-size") -> None:

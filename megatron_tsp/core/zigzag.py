@@ -1,10 +1,10 @@
 """Zigzag sequence layout (docs/design.md section 4).
 
 The sequence is cut into ``2D`` equal chunks; TSP rank ``r`` holds chunks ``r`` and
-``2D-1-r``, so that every rank does the same causal-attention work (Megatron context
-parallelism uses the same layout). Permuting a whole sequence into *zigzag order*
-(chunks 0, 2D-1, 1, 2D-2, ...) before the embedding lets megatron's sequence-parallel
-scatter hand each rank exactly its two chunks.
+``2D-1-r`` (:func:`megatron_tsp.core.block_geometry.rank_chunks`), so that every rank does
+the same causal-attention work (Megatron context parallelism uses the same layout).
+Permuting a whole sequence into *zigzag order* (chunks 0, 2D-1, 1, 2D-2, ...) before the
+embedding lets megatron's sequence-parallel scatter hand each rank exactly its two chunks.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Dict, NamedTuple, Tuple
 
 import torch
 
+from megatron_tsp.core.block_geometry import rank_chunks
 from megatron_tsp.core.sizes import ParallelSizes
 from megatron_tsp.core.support import violations
 
@@ -23,11 +24,6 @@ def check_seq_len(seq_len: int, tsp_size: int) -> int:
     for message in violations({"--seq-length": seq_len}, tsp_size):
         raise ValueError(message)
     return seq_len // (2 * tsp_size)
-
-
-def rank_chunks(tsp_size: int, tsp_rank: int) -> tuple[int, int]:
-    """The two chunk indices held by ``tsp_rank``."""
-    return tsp_rank, 2 * tsp_size - 1 - tsp_rank
 
 
 def local_positions(
@@ -103,8 +99,11 @@ def from_zigzag(x: torch.Tensor, tsp_size: int, dim: int) -> torch.Tensor:
 SEQUENCE_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 
 
-def zigzag_batch(batch: dict, tsp_size: int) -> dict:
-    """A ``forward_step`` batch with every sequence-shaped tensor in zigzag order.
+class ZigzagBatch:
+    """The batch transform of a run whose sequences have ``seq_len`` tokens, at TSP size
+    ``tsp_size``: a ``forward_step`` batch with every sequence-shaped tensor in zigzag order.
+    The sizes are checked when it is built (a sequence 2D does not divide is a one-line
+    ValueError), and the permutation made then, not per batch.
 
     ``tokens``, ``labels``, ``loss_mask`` and ``position_ids`` are ``[b, s]``;
     ``attention_mask`` (``[b, 1, s, s]`` or None) is permuted on both sequence dimensions.
@@ -112,18 +111,34 @@ def zigzag_batch(batch: dict, tsp_size: int) -> dict:
     hands TSP rank r its chunks r and 2D-1-r; learned absolute positions follow the
     permuted ``position_ids`` and TSP attention picks its RoPE rows by global position.
     """
-    if tsp_size == 1:
-        return batch
-    present = [key for key in SEQUENCE_KEYS if batch.get(key) is not None]
-    if not present:
-        return batch
-    # one permutation (and one check of the length) for every key
-    perm = permutation(batch[present[0]].size(1), tsp_size, batch[present[0]].device)
-    out = dict(batch)
-    for key in present:
-        out[key] = out[key].index_select(1, perm.to(out[key].device))
-    mask = out.get("attention_mask")
-    if mask is not None:
-        perm = perm.to(mask.device)
-        out["attention_mask"] = mask.index_select(-1, perm).index_select(-2, perm)
-    return out
+
+    def __init__(self, seq_len: int, tsp_size: int):
+        self.seq_len, self.tsp_size = seq_len, tsp_size
+        cpu = torch.device("cpu")
+        self._perm: Dict[torch.device, torch.Tensor] = {cpu: permutation(seq_len, tsp_size, cpu)} \
+            if tsp_size > 1 else {}
+
+    def _on(self, device: torch.device) -> torch.Tensor:
+        """The permutation on ``device``, copied there once."""
+        if device not in self._perm:
+            self._perm[device] = self._perm[torch.device("cpu")].to(device)
+        return self._perm[device]
+
+    def __call__(self, batch: dict) -> dict:
+        if self.tsp_size == 1:
+            return batch
+        present = [key for key in SEQUENCE_KEYS if batch.get(key) is not None]
+        if not present:
+            return batch
+        length = batch[present[0]].size(1)
+        if length != self.seq_len:  # another length's permutation would drop tokens or index past the end
+            raise ValueError(f"ZigzagBatch: the batch's sequences have {length} tokens, it was built for "
+                             f"{self.seq_len}")
+        out = dict(batch)
+        for key in present:
+            out[key] = out[key].index_select(1, self._on(out[key].device))
+        mask = out.get("attention_mask")
+        if mask is not None:
+            perm = self._on(mask.device)
+            out["attention_mask"] = mask.index_select(-1, perm).index_select(-2, perm)
+        return out

@@ -33,7 +33,8 @@ import torch.distributed as dist
 from megatron_tsp.core.sizes import DEFAULT_CP
 from megatron_tsp.env import run_record
 from megatron_tsp.errors import UserError
-from megatron_tsp.measure import counts, figures, gloo, memory, waits
+from megatron_tsp.measure import counts, figures, memory, waits
+from megatron_tsp.measure.distributed import direct_reductions
 from megatron_tsp.run import config as cfg
 from megatron_tsp.run.build import initialize, stepper
 from megatron_tsp.run.config import at_seq_length
@@ -68,8 +69,8 @@ def _block(values: Dict, mode: str, seq: int, steps: int, warmup: int) -> Dict:
     ``warmup`` more untimed steps, one counted step (its collectives counted and its waits
     for TSP's transfers profiled: :mod:`waits`) and ``steps`` timed steps, each on a new
     batch. On gloo every mode's reduce-scatters and reduces move what they would on a GPU
-    (:mod:`megatron_tsp.measure.gloo`)."""
-    with gloo.direct_reductions():
+    (:func:`megatron_tsp.measure.distributed.direct_reductions`)."""
+    with direct_reductions():
         return _timed_block(values, mode, seq, steps, warmup)
 
 

@@ -145,9 +145,9 @@ def rank_primitives(nbytes: int, repeats: int) -> Dict[str, float]:
              "reduce": lambda: [dist.reduce(one, r) for r in range(d)],
              "send_recv": send_recv}
     per_call = {"broadcast": d, "reduce": d}
-    from megatron_tsp.measure import gloo  # as the benchmark's modes run them
+    from megatron_tsp.measure.distributed import direct_reductions  # as the benchmark's modes run them
 
-    with gloo.direct_reductions():
+    with direct_reductions():
         return {name: _timed(fn, repeats) / per_call.get(name, 1) for name, fn in calls.items()}
 
 

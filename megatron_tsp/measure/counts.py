@@ -20,7 +20,7 @@ from megatron.core import parallel_state as mpu
 
 from megatron_tsp.core import parallel_state as tsp_state
 from megatron_tsp.core.comm import logical_bytes, traffic
-from megatron_tsp.run.compat import distributed_replaced
+from megatron_tsp.measure.distributed import observed
 
 Records = Dict[str, Dict[str, Dict[str, Dict[str, int]]]]  # group -> phase -> primitive -> counts
 
@@ -148,28 +148,10 @@ HOOKS = {
 
 
 @contextlib.contextmanager
-def _patched(before: Callable[..., None]) -> Iterator[None]:
-    """Every ``torch.distributed`` call named in :data:`HOOKS` calls ``before(name, *args,
-    **kwargs)`` first: called as ``torch.distributed.<name>`` or through a name megatron bound
-    at import (``dist_all_gather_func = torch.distributed.all_gather_into_tensor`` in
-    tensor_parallel/mappings.py and distributed/param_and_grad_buffer.py)."""
-    def wrap(name, original):
-        def wrapper(*args, **kwargs):
-            before(name, *args, **kwargs)
-            return original(*args, **kwargs)
-
-        wrapper.__wrapped__ = original
-        return wrapper
-
-    with distributed_replaced(wrap, list(HOOKS)):
-        yield
-
-
-@contextlib.contextmanager
 def count_collectives(on_output: Optional[Callable[[torch.Tensor], None]] = None) -> Iterator[Records]:
     """Record the collectives issued inside the block; ``on_output`` sees every receive buffer."""
     recorder = _Recorder(on_output)
-    with _patched(lambda name, *args, **kwargs: HOOKS[name](recorder, *args, **kwargs)):
+    with observed(lambda name, *args, **kwargs: HOOKS[name](recorder, *args, **kwargs), list(HOOKS)):
         yield recorder.records
 
 
@@ -193,7 +175,7 @@ def devices_checked(device: torch.device) -> Iterator[None]:
                 raise RuntimeError(f"torch.distributed.{name} on a {t.device.type} tensor {tuple(t.shape)} in a job "
                                    f"whose collectives run on {device.type}")
 
-    with _patched(check):
+    with observed(check, list(HOOKS)):
         yield
 
 

@@ -41,12 +41,13 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from megatron_tsp.core import attention_kernels as kernels
 from megatron_tsp.core import gemm as gemms
-from megatron_tsp.core.attention import PLANNED_SMS, head_groups_per_call, multiprocessors_of
 from megatron_tsp.core.block_attention import block_attention
+from megatron_tsp.core.head_groups import PLANNED_SMS, head_groups_per_call, multiprocessors_of
 from megatron_tsp.core.parallel_state import destroy_model_parallel
 from megatron_tsp.device import Device
 from megatron_tsp.env import run_record
 from megatron_tsp.measure import memory
+from megatron_tsp.measure.distributed import fake_world
 from megatron_tsp.run import config as cfg
 from megatron_tsp.run.build import initialize, params_dtype, stepper
 from megatron_tsp.run.modes import REFERENCE, SUBJECT, get_mode, head_groups_setting
@@ -205,7 +206,7 @@ def _profiled(step: Callable[[], None], device: Device, top: int = 30) -> Dict:
 
 def _measure_mode(args, mode: str, steps: int, device: Device, entry: Dict, profile: bool = False,
                   attention_backend: str = "auto") -> None:
-    with memory.fake_world(cfg.sizes(args).world_size):
+    with fake_world(cfg.sizes(args).world_size):
         initialize(args, device, create_gloo_process_groups=False)
         step = stepper(args, device, get_mode(mode), clip_grad=0.0, use_gloo_process_groups=False,
                        transformer_engine=False, attention_backend=attention_backend)

@@ -34,12 +34,13 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
-from megatron_tsp.core.attention import PLANNED_SMS, planned_multiprocessors
+from megatron_tsp.core.head_groups import PLANNED_SMS, planned_multiprocessors
 from megatron_tsp.core.parallel_state import destroy_model_parallel
 from megatron_tsp.core.sizes import DEFAULT_CP, ParallelSizes
 from megatron_tsp.device import CPU, Device
 from megatron_tsp.env import run_record, shown_path
 from megatron_tsp.measure import counts, figures
+from megatron_tsp.measure.distributed import fake_world
 from megatron_tsp.measure.tracker import CATEGORIES, GIB, SavedTensors, StorageTracker
 from megatron_tsp.run import config as cfg
 from megatron_tsp.run import step
@@ -170,45 +171,6 @@ def _known_expert_counts(preprocess):
     return with_values
 
 
-@contextlib.contextmanager
-def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
-    """Rank ``rank`` of ``world_size`` on torch's ``fake`` backend (collectives are no-ops).
-    Every other rank mirrors this one, so object collectives return its object for all.
-    FakeTensorMode has no kernel for coalesced collectives, so megatron's gradient buffers
-    issue their (no-op) collectives one by one."""
-    from megatron.core.distributed import param_and_grad_buffer
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-    saved = dist.all_gather_object
-
-    def all_gather_object(object_list, obj, group=None):
-        object_list[:] = [copy.deepcopy(obj) for _ in object_list]
-
-    dist.all_gather_object = all_gather_object
-    saved_coalescing = param_and_grad_buffer._coalescing_manager
-    param_and_grad_buffer._coalescing_manager = _NoCoalescing
-    try:
-        yield
-    finally:
-        dist.all_gather_object = saved
-        param_and_grad_buffer._coalescing_manager = saved_coalescing
-        dist.destroy_process_group()
-
-
-class _NoCoalescing(contextlib.AbstractContextManager):
-    def __init__(self, group=None, device=None, async_ops=False):
-        pass
-
-    def __exit__(self, *exc):
-        return False
-
-    def wait(self):
-        pass
-
-
 def _create_adam_moments(optimizer) -> None:
     """Create Adam's moments the way megatron does before loading a checkpoint: one step
     of the inner optimizer on zero gradients."""
@@ -296,6 +258,8 @@ def _run(args, mode: Mode, world_size: int, tracker: StorageTracker, attention_b
         "attention_flops_per_rank": flops["attention"],
         "memory_bytes_per_rank": flops["memory_bytes"],
         "memory_bytes_by_op": flops["memory_bytes_by_op"],
+        "launches_by_op": flops["launches_by_op"],
+        "attention_kernel_calls": flops["attention_kernel_calls"],
         "by_phase": flops["by_phase"],
         "comm_bytes_received": counts.totals(records),
         "comm": counts.as_dict(records),
@@ -345,6 +309,7 @@ def _step(args, mode: Mode, tracker, attention_backend, device: Device, fake: bo
 
         flops_before, attention_before, bytes_before = tracker.flops, tracker.attention_flops, tracker.memory_bytes
         by_op_before = dict(tracker.memory_bytes_by_op)
+        launches_before, kernel_calls_before = dict(tracker.launches_by_op), tracker.attention_kernel_calls
         tracker.by_phase = {}
         with saved, counts.count_collectives(on_output=receive) as records:
             result = step.train_step(model, optimizer, [batch], 1, args.seq_length, args.micro_batch_size,
@@ -354,6 +319,9 @@ def _step(args, mode: Mode, tracker, attention_backend, device: Device, fake: bo
     flops = {"total": tracker.flops - flops_before, "attention": tracker.attention_flops - attention_before,
              "memory_bytes": tracker.memory_bytes - bytes_before,
              "memory_bytes_by_op": {op: moved for op, moved in by_op.items() if moved},
+             "launches_by_op": {op: n - launches_before.get(op, 0) for op, n in tracker.launches_by_op.items()
+                                if n > launches_before.get(op, 0)},
+             "attention_kernel_calls": tracker.attention_kernel_calls - kernel_calls_before,
              "by_phase": tracker.by_phase}
     return static, flops, records
 
@@ -420,27 +388,54 @@ def slowest_rank(plans: Dict[int, Tuple[Dict, Dict]]) -> int:
     return max(plans, key=lambda r: (plans[r][1]["memory_bytes_per_rank"] - plans[r][0]["memory_bytes_per_rank"], -r))
 
 
-def bytes_by_op_per_layer(values: Dict, mode: str, world_size: Optional[int] = None, cp: int = DEFAULT_CP,
-                          fused_norm: bool = True) -> Dict:
-    """Memory-bound bytes one layer adds to a step, op by op (the difference of the
-    :func:`planned_layers` plans, per layer) on the slowest rank: ``{"rank", "total_gb",
-    "by_op_gb"}``, largest first."""
+def _per_layer(fewer: Dict[str, float], more: Dict[str, float], layers: int) -> Dict[str, float]:
+    """What one layer adds, key by key: the difference of two plans ``layers`` layers apart."""
+    return {key: (more.get(key, 0) - fewer.get(key, 0)) / layers for key in set(fewer) | set(more)}
+
+
+def by_op_per_layer(values: Dict, mode: str, world_size: Optional[int] = None, cp: int = DEFAULT_CP,
+                    fused_norm: bool = True) -> Dict:
+    """What one layer adds to a step, op by op (the difference of the :func:`planned_layers`
+    plans, per layer) on the slowest rank: memory-bound bytes (``total_gb``, ``by_op_gb``,
+    largest first) and kernel launches (``launches``, ``launches_by_op``, most first;
+    ``attention_kernel_calls``; ``collective_calls``: the collectives and point-to-point
+    transfers a layer adds, counted apart: :mod:`~megatron_tsp.measure.tracker`)."""
     plans = first_and_last_rank_plans(values, mode, world_size, cp, fused_norm)
     rank = slowest_rank(plans)
-    fewer, more = (p["memory_bytes_by_op"] for p in plans[rank])
     low, high = planned_layers(values)
-    diff = {op: (more.get(op, 0) - fewer.get(op, 0)) / (high - low) for op in set(fewer) | set(more)}
-    by_op = {op: b / 1e9 for op, b in sorted(diff.items(), key=lambda kv: -kv[1]) if abs(b) >= 1e6}
-    return {"rank": rank, "total_gb": sum(diff.values()) / 1e9, "by_op_gb": by_op}
+    fewer, more = plans[rank]
+    diff = _per_layer(fewer["memory_bytes_by_op"], more["memory_bytes_by_op"], high - low)
+    launches = _per_layer(fewer["launches_by_op"], more["launches_by_op"], high - low)
+    calls = [sum(e["calls"] for phases in p["comm"].values() for prims in phases.values() for e in prims.values())
+             for p in (fewer, more)]
+    return {"rank": rank, "total_gb": sum(diff.values()) / 1e9,
+            "by_op_gb": {op: b / 1e9 for op, b in sorted(diff.items(), key=lambda kv: -kv[1]) if abs(b) >= 1e6},
+            "launches": sum(launches.values()),
+            "launches_by_op": {op: n for op, n in sorted(launches.items(), key=lambda kv: (-kv[1], kv[0])) if n},
+            "attention_kernel_calls": (more["attention_kernel_calls"] - fewer["attention_kernel_calls"]) / (high - low),
+            "collective_calls": (calls[1] - calls[0]) / (high - low)}
 
 
 def bytes_by_op_table(result: Dict, rows: int = 20) -> str:
-    modes = [m for m in result["modes"] if "bytes_by_op" in result["modes"][m]]
-    lines = ["Memory-bound bytes per layer, by op (GB; 3-layer minus 2-layer plan, slowest rank):", ""]
+    modes = [m for m in result["modes"] if "by_op" in result["modes"][m]]
+    lines = ["Memory-bound bytes per layer, by op (GB; the difference of two plans, slowest rank):", ""]
     for mode in modes:
-        r = result["modes"][mode]["bytes_by_op"]
+        r = result["modes"][mode]["by_op"]
         lines.append(f"{mode} (rank {r['rank']}): {r['total_gb']:.2f} GB per layer")
         lines += [f"  {op:48s} {gb:8.2f}" for op, gb in list(r["by_op_gb"].items())[:rows]]
+    return "\n".join(lines)
+
+
+def launches_table(result: Dict, rows: int = 20) -> str:
+    modes = [m for m in result["modes"] if "by_op" in result["modes"][m]]
+    lines = ["Kernel launches per layer, by op (counted on the planned step; the difference of two plans, "
+             "slowest rank):", ""]
+    for mode in modes:
+        r = result["modes"][mode]["by_op"]
+        lines.append(f"{mode} (rank {r['rank']}): {r['launches']:.0f} launches per layer, of which "
+                     f"{r['attention_kernel_calls']:.0f} attention kernel calls; {r['collective_calls']:.0f} "
+                     "collective calls besides")
+        lines += [f"  {op:48s} {n:8.0f}" for op, n in list(r["launches_by_op"].items())[:rows]]
     return "\n".join(lines)
 
 
@@ -456,7 +451,7 @@ def plan_modes(config_path: str, modes: List[str], world_size: Optional[int] = N
                for name in modes}
     if by_op:
         for name, r in results.items():
-            r["bytes_by_op"] = bytes_by_op_per_layer(values, name, world_size, cp, fused_norm)
+            r["by_op"] = by_op_per_layer(values, name, world_size, cp, fused_norm)
     if per_layer:
         for name, r in results.items():
             args = get_mode(name).args(values, cp)

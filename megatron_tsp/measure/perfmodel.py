@@ -44,7 +44,7 @@ import json
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
-from megatron_tsp.core.attention import PLANNED_SMS
+from megatron_tsp.core.head_groups import PLANNED_SMS
 from megatron_tsp.core.sizes import DEFAULT_CP
 from megatron_tsp.env import run_record, shown_path
 from megatron_tsp.measure import memory
@@ -87,7 +87,7 @@ class Hardware:
     # (userbuffers, --tp-comm-overlap) hides behind GEMMs: docs/measuring.md says why 0.7.
     te_tp_overlap_hidden: float = 0.7
     # Streaming multiprocessors (NVIDIA) or compute units (AMD): how many thread blocks fill
-    # the GPU, which sets TSP's head groups per attention call (core.attention.head_groups_per_call)
+    # the GPU, which sets TSP's head groups per attention call (core.head_groups.head_groups_per_call)
     multiprocessors: int = PLANNED_SMS
 
     def at_link(self, name: str) -> "Hardware":
@@ -179,10 +179,13 @@ def _layer_counts(values: Dict, mode: str, world_size: Optional[int], cp: int, f
     plans = memory.first_and_last_rank_plans(values, mode, world_size, cp, fused_norm, multiprocessors)
     fewer, more = ({"flops": p["flops_per_rank"], "attention_flops": p["attention_flops_per_rank"],
                     "memory_bytes": p["memory_bytes_per_rank"], "by_phase": p["by_phase"], "comm": p["comm"],
-                    "parallel": p["parallel"]} for p in plans[memory.slowest_rank(plans)])
+                    "launches": sum(p["launches_by_op"].values()),
+                    "attention_kernel_calls": p["attention_kernel_calls"], "parallel": p["parallel"]}
+                   for p in plans[memory.slowest_rank(plans)])
     for n, counts in enumerate((fewer, more)):
         counts["peak_gib"] = max(p[n]["peak_gib"] for p in plans.values())
-    keys = ("flops", "attention_flops", "memory_bytes", "by_phase", "comm", "peak_gib")
+    keys = ("flops", "attention_flops", "memory_bytes", "by_phase", "comm", "peak_gib", "launches",
+            "attention_kernel_calls")
     low, high = memory.planned_layers(values)
     per_layer = _sub({}, _sub({k: more[k] for k in keys}, {k: fewer[k] for k in keys}), -1 / (high - low))
     base = _sub({k: fewer[k] for k in keys}, per_layer, low)
@@ -311,6 +314,10 @@ def evaluate(values: Dict, mode: str, hw: Hardware, world: int, cp: int, brief: 
     if not brief:
         out["flops_per_rank"] = total["flops"]
         out["attention_flops_per_rank"] = total["attention_flops"]
+        # kernel launches of the step and of one layer (memory.by_op_per_layer has them op by op)
+        out["launches_per_rank"] = total["launches"]
+        out["launches_per_layer"] = counts["per_layer"]["launches"]
+        out["attention_kernel_calls_per_layer"] = counts["per_layer"]["attention_kernel_calls"]
         out["paper_accountings"] = _accountings(mode, hw, world, counts, args, layout, out["overlap"]["step_s"])
     return out
 

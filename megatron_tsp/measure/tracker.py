@@ -16,6 +16,13 @@ Memory-bound bytes, op by op (``memory_bytes_by_op``):
 * the attention op (``block_attention``) is followed inside: its kernels are its FLOPs (the
   op's own formula, counted once), and what runs around them (allocations, lse merges,
   casts, per-block gradient sums) is counted like any op, under ``block_attention/<op>``.
+
+Kernel launches, op by op (``launches_by_op``): each op that does work on a device, one
+launch, under the names above: a GEMM or another op with a FLOP formula, each attention
+kernel call inside the attention op (``block_attention/<kernel>``, also counted apart in
+``attention_kernel_calls``), and each op that moves memory-bound bytes. Views, allocations,
+metadata queries and collectives (counted by :mod:`~megatron_tsp.measure.counts`) launch
+nothing here; a fused kernel is one op, so one launch.
 """
 
 from __future__ import annotations
@@ -77,6 +84,8 @@ class StorageTracker(TorchDispatchMode):
         self.attention_flops = 0
         self.memory_bytes = 0
         self.memory_bytes_by_op: Dict[str, int] = {}
+        self.launches_by_op: Dict[str, int] = {}
+        self.attention_kernel_calls = 0
         # the same three by phase of the step ("forward"; "backward": inside autograd's
         # backward, recomputation included), for the overlap model
         self.by_phase: Dict[str, Dict[str, int]] = {}
@@ -142,6 +151,10 @@ class StorageTracker(TorchDispatchMode):
 
     _current_op = None
 
+    def _launch(self, name: str) -> None:
+        key = f"{self._inside}/{name}" if self._inside else name
+        self.launches_by_op[key] = self.launches_by_op.get(key, 0) + 1
+
     def _count(self, key: str, value: int) -> None:
         phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
         counts = self.by_phase.setdefault(phase, {"flops": 0, "attention_flops": 0, "memory_bytes": 0})
@@ -168,10 +181,13 @@ class StorageTracker(TorchDispatchMode):
             self._count("attention_flops", flops)
         else:
             out = func(*args, **kwargs)
-            if formula is not None:
+            if self._inside and name.startswith(_KERNEL_PREFIXES):
+                # an attention kernel inside the attention op: the op's FLOPs, counted once
+                self.attention_kernel_calls += 1
+                self._launch(name)
+            elif formula is not None:
                 # torch's FLOP formulas, applied here rather than under FlopCounterMode, whose
-                # module hooks keep activations alive and would distort the memory measured;
-                # inside the attention op its kernels are the op's FLOPs, counted once. An
+                # module hooks keep activations alive and would distort the memory measured. An
                 # out_dtype/out= overload (mm.dtype, addmm.dtype_out: GEMMs into an fp32
                 # accumulator) counts as its plain form.
                 if self._inside is None:
@@ -179,9 +195,11 @@ class StorageTracker(TorchDispatchMode):
                                     **{k: v for k, v in kwargs.items() if k not in ("out", "out_dtype")}, out_val=out)
                     self.flops += flops
                     self._count("flops", flops)
-            elif not (func.is_view or func.namespace in _NOT_MEMORY_BOUND or name in _NO_DATA
-                      or (self._inside and name.startswith(_KERNEL_PREFIXES))):
+                self._launch(name)
+            elif not (func.is_view or func.namespace in _NOT_MEMORY_BOUND or name in _NO_DATA):
                 moved = _memory_bytes(name, args, kwargs, out)
+                if moved:
+                    self._launch(name)
                 self.memory_bytes += moved
                 self._count("memory_bytes", moved)
                 key = f"{self._inside}/{name}" if self._inside else name

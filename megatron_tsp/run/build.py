@@ -20,8 +20,9 @@ from megatron_tsp.core.sizes import ParallelSizes
 from megatron_tsp.core.support import window_pair
 from megatron_tsp.device import Device
 from megatron_tsp.run import data, modes, step
-from megatron_tsp.run.compat import enable_cpu_support, fix_moe_without_transformer_engine
+from megatron_tsp.run.compat import enable_cpu_support
 from megatron_tsp.run.modes import Mode
+from megatron_tsp.run.upstream import fix_moe_without_transformer_engine
 
 
 def params_dtype(args) -> torch.dtype:
@@ -115,7 +116,8 @@ def model_args(args) -> Dict[str, Any]:
 def initialize(args, device: Device, seed: bool = True, **megatron_kwargs) -> None:
     """Process groups of the run (TSP, or TP/CP for a baseline) with their communicators
     created on ``device``, and, with ``seed``, the RNGs. On the CPU, megatron-core's CPU
-    shims first (:mod:`compat`)."""
+    shims first (:mod:`compat`); for a model with experts, megatron-core's MoE fix
+    (:mod:`upstream`)."""
     if not device.is_gpu:
         enable_cpu_support()
     if args.num_experts:

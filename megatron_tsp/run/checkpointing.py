@@ -32,8 +32,8 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTenso
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_tsp.errors import CheckpointError
-from megatron_tsp.run.compat import checkpoint_writers_outlive_sigterm, fix_optimizer_checkpoints
 from megatron_tsp.run.step import unwrap
+from megatron_tsp.run.upstream import checkpoint_writers_outlive_sigterm, fix_optimizer_checkpoints
 
 # Per-parameter keys, the same whether megatron-core splits a MoE model's optimizer into dense
 # and expert parts (EP > 1) or not: a checkpoint's optimizer state moves between the two

@@ -1,4 +1,4 @@
-"""Run megatron-core 0.16.1 on CPU with gloo (opt-in, for tests and the CPU main job).
+"""Run megatron-core on CPU with gloo (opt-in, for tests and the CPU main job).
 
 megatron-core assumes CUDA in a handful of places (docs/design.md section 7). Each place is
 covered by one shim below, listed in ``SHIMS`` with the upstream location it covers, so
@@ -7,197 +7,30 @@ instead of silently running the stock path.
 
 Two kinds of shim:
 
-* :class:`Rewrite`: the named function's source with literal replacements (``device="cuda"``
-  becomes ``device="cpu"``, a ``torch.cuda.FloatTensor`` type check accepts its CPU twin).
-  The function is recompiled in its own module's globals, so nothing else about it changes.
+* :class:`~megatron_tsp.run.upstream.Rewrite`: the named function's source with literal
+  replacements (``device="cuda"`` becomes ``device="cpu"``, a ``torch.cuda.FloatTensor`` type
+  check accepts its CPU twin). The function is recompiled in its own module's globals, so
+  nothing else about it changes.
 * a few direct replacements (``torch.cuda.current_device`` names the CPU, the RNG tracker
   keeps CPU generator states, megatron's torch norms accept sequence parallelism).
 
 Only a process whose device is the CPU enables them (``build.initialize`` and the worker
 pool, from the :class:`~megatron_tsp.device.Device` chosen at launch): a process that runs
 on a GPU never does. On the CPU every shim only changes *where* a tensor lives or *which*
-generator a state belongs to, never a value.
-
-Apart from those, :func:`fix_optimizer_checkpoints` corrects two faults of megatron-core's
-distributed optimizer checkpoints on every device (:data:`BUCKET_SHIMS`,
-:data:`TORCH_ADAM_SHIMS`): checkpointing applies it before it saves or loads optimizer state;
-and :func:`fix_moe_without_transformer_engine` a fault of megatron-core 0.16's MoE router
-without TransformerEngine, on every device.
+generator a state belongs to, never a value. What megatron-core gets wrong on every device is
+corrected in :mod:`megatron_tsp.run.upstream`.
 """
 
 from __future__ import annotations
 
-import ast
 import contextlib
-import importlib
-import inspect
-import multiprocessing
-import signal
-import sys
-import textwrap
-from dataclasses import dataclass
-from multiprocessing.managers import SyncManager
-from typing import Any, Callable, Dict, List, Sequence, Tuple
+from typing import List, Sequence
 
 import torch
 
-from megatron_tsp import versions
+from megatron_tsp.run.upstream import Rewrite, fix_moe_without_transformer_engine
 
 _ENABLED = False
-
-
-@dataclass(frozen=True)
-class Rewrite:
-    """Recompile ``module.qualname`` with each ``old`` string replaced by ``new``, on the
-    megatron-core releases of ``versions`` ((major, minor) pairs; empty: every supported one)."""
-
-    module: str
-    qualname: str
-    replacements: Tuple[Tuple[str, str], ...]
-    upstream: str  # file:line upstream (0.16.1 where not said), for the reader
-    versions: Tuple[Tuple[int, int], ...] = ()
-
-    def applies(self) -> bool:
-        return not self.versions or versions.mcore() in self.versions
-
-    def install(self) -> None:
-        if not self.applies():
-            return
-        mod = importlib.import_module(self.module)
-        owner, name = _resolve_owner(mod, self.qualname)
-        raw = inspect.getattr_static(owner, name)
-        func = raw.__func__ if isinstance(raw, (classmethod, staticmethod)) else raw
-        src = textwrap.dedent(inspect.getsource(func))
-        for old, new in self.replacements:
-            if old not in src:
-                raise RuntimeError(
-                    f"megatron_tsp.run.compat: '{old}' not found in {self.module}.{self.qualname} "
-                    f"({self.upstream}); this megatron-core version is not supported on CPU"
-                )
-            src = src.replace(old, new)
-        new_func = _compile_like(func, src, owner if inspect.isclass(owner) else None)
-        if isinstance(raw, classmethod):
-            new_obj = classmethod(new_func)
-        elif isinstance(raw, staticmethod):
-            new_obj = staticmethod(new_func)
-        else:
-            new_obj = new_func
-        setattr(owner, name, new_obj)
-        if not inspect.isclass(owner):
-            rebind_in_megatron({id(func): new_func})
-
-
-@dataclass(frozen=True)
-class RewriteEach:
-    """:class:`Rewrite` of every function and method defined in ``module`` whose source holds
-    one of the ``old`` strings (at least one must), on the megatron-core releases of
-    ``versions``: for the modules that spell the device the same way in many places."""
-
-    module: str
-    replacements: Tuple[Tuple[str, str], ...]
-    versions: Tuple[Tuple[int, int], ...] = ()
-
-    def install(self) -> None:
-        if self.versions and versions.mcore() not in self.versions:
-            return
-        mod = importlib.import_module(self.module)
-        found = 0
-        for qualname, func in _functions(mod):
-            try:
-                src = inspect.getsource(func)
-            except (OSError, TypeError):  # built without source (e.g. a C extension's)
-                continue
-            hits = tuple((old, new) for old, new in self.replacements if old in src)
-            if hits:
-                Rewrite(self.module, qualname, hits, self.module).install()
-                found += 1
-        if not found:
-            raise RuntimeError(f"megatron_tsp.run.compat: none of {[old for old, _ in self.replacements]} in "
-                               f"{self.module}; this megatron-core version is not supported on CPU")
-
-
-def _functions(mod):
-    """(qualname, function) of every function and method ``mod`` defines itself."""
-    for name, obj in list(vars(mod).items()):
-        if getattr(obj, "__module__", None) != mod.__name__:
-            continue
-        if inspect.isfunction(obj):
-            yield name, obj
-        elif inspect.isclass(obj):
-            for attr, member in list(vars(obj).items()):
-                func = member.__func__ if isinstance(member, (classmethod, staticmethod)) else member
-                if inspect.isfunction(func):
-                    yield f"{name}.{attr}", func
-
-
-def _resolve_owner(mod, qualname: str):
-    parts = qualname.split(".")
-    owner = mod
-    for part in parts[:-1]:
-        owner = getattr(owner, part)
-    return owner, parts[-1]
-
-
-def _compile_like(func: Callable, src: str, cls) -> Callable:
-    """Compile ``src`` (one ``def``) with ``func``'s globals; its decorators are applied again,
-    but for ``classmethod`` and ``staticmethod``, which the caller re-applies.
-
-    Methods are compiled inside a factory that binds ``__class__`` so that zero-argument
-    ``super()`` keeps working.
-    """
-    tree = ast.parse(src)
-    fdef = tree.body[0]
-    fdef.decorator_list = [d for d in fdef.decorator_list
-                           if not (isinstance(d, ast.Name) and d.id in ("classmethod", "staticmethod"))]
-    body = ast.unparse(fdef)
-    factory = "def __tsp_factory__(__class__):\n" + textwrap.indent(body, "    ")
-    factory += f"\n    return {fdef.name}\n"
-    namespace: dict = {}
-    code = compile(factory, f"<megatron_tsp.run.compat: {func.__module__}.{func.__qualname__}>", "exec")
-    exec(code, func.__globals__, namespace)
-    new_func = namespace["__tsp_factory__"](cls)
-    new_func.__qualname__ = func.__qualname__
-    new_func.__module__ = func.__module__
-    new_func.__doc__ = func.__doc__
-    return new_func
-
-
-def rebind_in_megatron(replacements: Dict[int, Any]) -> List[Tuple[Any, str, Any]]:
-    """Point every attribute of a loaded megatron module that holds an object of
-    ``replacements`` (keyed by ``id``) at its replacement: ``from x import f`` elsewhere keeps
-    the old object. Returns (module, attribute, old object) of each change, to undo it."""
-    changed = []
-    for mod_name, mod in list(sys.modules.items()):
-        if mod is None or not mod_name.startswith("megatron."):
-            continue
-        for attr, value in list(vars(mod).items()):
-            new = replacements.get(id(value))
-            if new is not None and new is not value:
-                setattr(mod, attr, new)
-                changed.append((mod, attr, value))
-    return changed
-
-
-@contextlib.contextmanager
-def distributed_replaced(wrap: Callable[[str, Any], Any], names: Sequence[str]):
-    """Inside the block, each ``torch.distributed.<name>`` of ``names`` (those this torch has)
-    is ``wrap(name, original)``, and so is every name megatron bound to the original at
-    import (:func:`rebind_in_megatron`); both are put back after."""
-    import torch.distributed as dist
-
-    originals = {name: getattr(dist, name) for name in names if hasattr(dist, name)}
-    replacements = {name: wrap(name, fn) for name, fn in originals.items()}
-    for name, fn in replacements.items():
-        setattr(dist, name, fn)
-    changed = rebind_in_megatron({id(originals[name]): fn for name, fn in replacements.items()})
-    try:
-        yield
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
-        for owner, attr, fn in changed:
-            setattr(owner, attr, fn)
-
 
 _CUDA = '"cuda"'
 _CUDA_Q = "'cuda'"
@@ -272,96 +105,6 @@ SHIMS: Sequence[Rewrite] = (
              ("torch.cuda.manual_seed(seed)", "torch.manual_seed(seed)")),
             "tensor_parallel/random.py:235"),
 )
-
-
-# megatron-core 0.16.1 checkpoints the DistributedOptimizer assuming TransformerEngine's or
-# apex's Adam. On torch's Adam (every CPU, and GPUs without either) the per-parameter state
-# also holds a "step" tensor, which loading gets wrong twice.
-TORCH_ADAM_SHIMS: Sequence[Rewrite] = (
-    # The resharding format has no per-parameter "step" (it comes from the param groups).
-    Rewrite("megatron.core.optimizer.distrib_optimizer",
-            "DistributedOptimizer._set_main_param_and_optimizer_states",
-            (("dst_tensors[key].copy_(tensors[key])",
-              "if key != 'step': dst_tensors[key].copy_(tensors[key])"),),
-            "optimizer/distrib_optimizer.py:940", ((0, 16),)),
-    Rewrite("megatron.core.optimizer.distrib_optimizer",
-            "DistributedOptimizer._set_main_param_and_optimizer_states",
-            (("if not isinstance(tensors[key], torch.Tensor):",
-              "if key == 'step' or not isinstance(tensors[key], torch.Tensor):"),),
-            "optimizer/distrib_optimizer.py:1223 (0.19)", ((0, 19),)),
-    # One "step" tensor was shared by every parameter, so torch's Adam advanced it once
-    # per parameter per step and the bias correction drifted after a resume.
-    Rewrite("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.load_state_dict",
-            (('s["step"] = step', 's["step"] = step.clone()'),),
-            "optimizer/distrib_optimizer.py:820"),
-)
-# megatron-core (0.16.1 and 0.19) saves the fully_reshardable optimizer state of the wrong
-# elements when a buffer has more than one bucket (--overlap-grad-reduce with buckets smaller
-# than the model): it gathers each bucket without its end padding, one after the other, but
-# slices the result at the buffer's padded offsets, so every parameter after a padded bucket
-# end is saved with its neighbour's values (its warning that cites "issue #504"). Slice at the
-# offsets the gathered tensor has: the parameter's, less the padding of the buckets before it.
-# Every device; a checkpoint of one bucket is saved as before.
-BUCKET_SHIMS: Sequence[Rewrite] = (
-    Rewrite("megatron.core.optimizer.distrib_optimizer",
-            "DistributedOptimizer.sharded_param_state_fully_reshardable",
-            (("tensors = {}",
-              "tensors = {}; padding = buffer.buckets[_].offset - sum("
-              "(b.numel_unpadded for b in buffer.buckets[:_]))"),
-             ("world_tensors[state_key][param_world_start:param_world_end]",
-              "world_tensors[state_key][param_world_start - padding:param_world_end - padding]")),
-            "optimizer/distrib_optimizer.py:1501 (0.19: 1790)"),
-)
-def checkpoint_writers_outlive_sigterm() -> None:
-    """megatron-core's checkpoint writers report to a queue served by a manager process it
-    spawns at the first save (``filesystem_async._results_queue``, 0.16 and 0.19). A spawned
-    process has SIGTERM's default action, so Slurm's SIGTERM to every process of the job
-    killed it while a save ran, and the save failed with BrokenPipeError instead of finishing
-    (with ``--exit-signal-handler`` the ranks save, then stop). The queue is made here, before
-    megatron-core makes it, by a manager that ignores SIGTERM; it ends with the rank.
-    Idempotent; every device."""
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    if filesystem_async._results_queue is None:
-        manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
-        manager.start(initializer=signal.signal, initargs=(signal.SIGTERM, signal.SIG_IGN))
-        filesystem_async._results_queue = manager.Queue()  # the proxy keeps its manager
-
-
-_CHECKPOINTS_FIXED = False
-
-
-def fix_optimizer_checkpoints() -> None:
-    """Fix megatron-core's DistributedOptimizer checkpoints: the state of a buffer of several
-    buckets (:data:`BUCKET_SHIMS`), and loading on torch's Adam (:data:`TORCH_ADAM_SHIMS`;
-    not applied when megatron-core uses TransformerEngine's or apex's optimizer). Idempotent;
-    every device."""
-    global _CHECKPOINTS_FIXED
-    from megatron.core.optimizer.distrib_optimizer import HAVE_APEX_OR_TE
-
-    if not _CHECKPOINTS_FIXED:
-        for shim in (*BUCKET_SHIMS, *(() if HAVE_APEX_OR_TE else TORCH_ADAM_SHIMS)):
-            shim.install()
-        _CHECKPOINTS_FIXED = True
-
-
-# What megatron-core 0.16.1's moe_utils imports from TransformerEngine and, without it, leaves
-# undefined: its router reads ``te_general_gemm is not None`` (a NameError; 0.19 sets them None).
-_MOE_TE_NAMES = ("fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss", "fused_permute",
-                 "fused_permute_and_pad_with_probs", "fused_permute_with_probs", "fused_sort_chunks_by_index",
-                 "fused_sort_chunks_by_index_with_probs", "fused_topk_with_score_function", "fused_unpermute",
-                 "te_general_gemm")
-
-
-def fix_moe_without_transformer_engine() -> None:
-    """megatron-core's MoE layers where TransformerEngine is not installed (0.16.1): the names
-    its moe_utils takes from TransformerEngine are None, as 0.19 makes them. Idempotent;
-    every device."""
-    from megatron.core.transformer.moe import moe_utils
-
-    for name in _MOE_TE_NAMES:
-        if not hasattr(moe_utils, name):
-            setattr(moe_utils, name, None)
 
 
 def _cpu_all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None,
@@ -514,5 +257,4 @@ def cpu_support_enabled() -> bool:
     return _ENABLED
 
 
-__all__: List[str] = ["enable_cpu_support", "cpu_support_enabled", "fix_optimizer_checkpoints",
-                      "fix_moe_without_transformer_engine", "SHIMS", "TORCH_ADAM_SHIMS", "BUCKET_SHIMS"]
+__all__: List[str] = ["enable_cpu_support", "cpu_support_enabled", "SHIMS"]

@@ -16,7 +16,8 @@ from typing import Sequence, Union
 
 import torch
 
-from megatron_tsp.run.compat import Rewrite, RewriteEach, enable_cpu_support
+from megatron_tsp.run.compat import enable_cpu_support
+from megatron_tsp.run.upstream import Rewrite, RewriteEach
 
 _V016, _V019 = ((0, 16),), ((0, 19),)
 

@@ -388,10 +388,6 @@ def check_combinations(ns: argparse.Namespace) -> None:
         (layout.tsp > 1 or ns.seq_length % layout.sequence_divisor == 0, "seq_length",
          f"must be divisible by {layout.sequence_divisor} (2 x context_parallel_size for the zigzag layout, "
          "and tensor_model_parallel_size with sequence parallelism or the ring MLP)"),
-        (ns.tsp_lookahead >= 1, "tsp_lookahead", "must be 1 or more"),
-        (ns.tsp_head_groups_per_call == 0 or layout.tsp == 1  # unread without TSP
-         or (ns.tsp_head_groups_per_call > 0 and layout.tsp % ns.tsp_head_groups_per_call == 0),
-         "tsp_head_groups_per_call", f"must be 0 (auto) or a divisor of tsp_size {layout.tsp}"),
         (not ns.ring_mlp or (layout.tsp == 1 and tp > 1), "ring_mlp",
          "applies to a tensor-parallel model (tensor_model_parallel_size > 1, tsp_size 1; TSP's MLP is a ring "
          "already)"),

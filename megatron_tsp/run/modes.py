@@ -22,7 +22,7 @@ from megatron_tsp import versions
 from megatron_tsp.core.baselines import get_gpt_block_baseline_spec
 from megatron_tsp.core.sizes import DEFAULT_CP, ParallelSizes
 from megatron_tsp.core.spec import get_gpt_block_tsp_spec, with_ring_mlp
-from megatron_tsp.core.zigzag import zigzag_batch
+from megatron_tsp.core.zigzag import ZigzagBatch
 from megatron_tsp.env import transformer_engine_version
 from megatron_tsp.errors import ConfigError
 from megatron_tsp.run import config
@@ -96,7 +96,7 @@ class Mode:
     def batch_transform(self, args) -> Optional[Callable]:
         """Zigzag order for TSP; megatron's context-parallel slice for CP; nothing otherwise."""
         if self.tsp_layers and args.tsp_size > 1:
-            return lambda b: zigzag_batch(b, args.tsp_size)
+            return ZigzagBatch(args.seq_length, args.tsp_size)
         if args.context_parallel_size > 1:
             return versions.context_parallel_slice
         return None
