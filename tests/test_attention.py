@@ -751,3 +751,24 @@ def test_backward_in_calls_writes_what_one_call_writes():
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     for got, want in zip(grads(forward_blocks, [(0, 3)]), whole, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_the_fused_merge_compiled_equals_eager():
+    """The lse merge as a GPU runs it (torch.compile: one kernel) gives the eager function's
+    numbers, which the CPU and the planner run: to 1e-6 in fp32, to bf16's rounding in bf16."""
+    import shutil
+
+    from megatron_tsp.core.block_attention import merge_by_lse
+
+    if shutil.which("c++") is None:
+        pytest.skip("torch.compile on a CPU needs a C++ compiler")
+    compiled = torch.compile(merge_by_lse, dynamic=True, fullgraph=True)
+    generator = torch.Generator().manual_seed(0)
+    for blocks, dtype in ((2, torch.float32), (3, torch.float32), (2, torch.bfloat16)):
+        outs = [torch.randn(2, 4, 24, 16, generator=generator).to(dtype) for _ in range(blocks)]
+        lses = [4 * torch.randn(2, 4, 24, generator=generator) for _ in range(blocks)]
+        (out, lse), (ref, ref_lse) = compiled(outs, lses, dtype), merge_by_lse(outs, lses, dtype)
+        assert out.dtype == ref.dtype == dtype and lse.dtype == torch.float32
+        torch.testing.assert_close(lse, ref_lse, rtol=1e-6, atol=1e-6)
+        tolerance = 1e-6 if dtype == torch.float32 else 8e-3
+        torch.testing.assert_close(out.float(), ref.float(), rtol=tolerance, atol=tolerance)

@@ -39,13 +39,9 @@ from megatron_tsp.core.documents import document_starts
 from megatron_tsp.core.head_groups import head_groups_per_call
 from megatron_tsp.core.parallel_state import resolve_tsp_groups
 from megatron_tsp.core.prefetch import LayerChain
+from megatron_tsp.core.rope import apply_rope
 from megatron_tsp.core.streaming import WeightBroadcast, linear_pair_shard, run_forward_pre_hooks
 from megatron_tsp.core.support import check_attention_config
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = torch.chunk(x, 2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
 
 
 class TSPSelfAttention(SelfAttention):
@@ -138,9 +134,10 @@ class TSPSelfAttention(SelfAttention):
         cos, sin = rope
         rot_dim = cos.size(-1)
         if rot_dim == t.size(-1):  # megatron's _apply_rotary_pos_emb_bshd, term for term
-            return torch.add(t * cos, _rotate_half(t) * sin, out=out)
+            rotated = apply_rope(t, cos, sin)
+            return rotated if out is None else out.copy_(rotated)
         head, rest = t[..., :rot_dim], t[..., rot_dim:]
-        return torch.cat(((head * cos) + (_rotate_half(head) * sin), rest), dim=-1, out=out)
+        return torch.cat((apply_rope(head, cos, sin), rest), dim=-1, out=out)
 
     def split_heads(self, mixed: torch.Tensor, rope: Rope, local: Optional[torch.Tensor] = None):
         """A head group's QKV projection -> q [s, b, a/D, d], k and v [s, b, g/D, d]

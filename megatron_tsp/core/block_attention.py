@@ -99,25 +99,51 @@ def _merge_into(kernel, q, k, v, out, lse, calls: List[geometry.Call], scale: fl
             out[:, :, q0:q1].copy_(results[0][2])
             lse[:, :, q0:q1].copy_(results[0][3])
             continue
-        whole = all((a, b) == (0, q1 - q0) for a, b, _, _ in results)
-        merged = results[0][3] if whole else results[0][3].clone()
+        if all((a, b) == (0, q1 - q0) for a, b, _, _ in results):
+            merged, merged_lse = torch.ops.megatron_tsp.merge_blocks([r[2] for r in results], [r[3] for r in results],
+                                                                     out.dtype)
+            out[:, :, q0:q1].copy_(merged)
+            lse[:, :, q0:q1].copy_(merged_lse)
+            continue
+        merged = results[0][3].clone()  # a band of some rows merges into the whole piece's rows
         for a, b, _, o_lse in results[1:]:
-            if (a, b) == (0, q1 - q0):
-                merged = torch.logaddexp(merged, o_lse)
-            else:
-                merged[:, :, a:b] = torch.logaddexp(merged[:, :, a:b], o_lse)
+            merged[:, :, a:b] = torch.logaddexp(merged[:, :, a:b], o_lse)
         acc = None
-        for i, (a, b, o, o_lse) in enumerate(results):
+        for a, b, o, o_lse in results:
             weight = torch.exp(o_lse - merged[:, :, a:b]).unsqueeze(-1)
             if acc is None:
                 acc = o * weight  # fp32: the weight is; the first block covers every row
-            elif i < len(results) - 1 or not whole:
+            else:
                 acc[:, :, a:b].addcmul_(o, weight)
-            else:  # the last term, in fp32, rounded once into out
-                torch.addcmul(acc, o, weight, out=out[:, :, q0:q1])
-        if not whole:
-            out[:, :, q0:q1].copy_(acc)
+        out[:, :, q0:q1].copy_(acc)
         lse[:, :, q0:q1].copy_(merged)
+
+
+def merge_by_lse(outs: List[torch.Tensor], lses: List[torch.Tensor], dtype: torch.dtype
+                  ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Blocks of the same query rows merged by their log-sum-exps: ``(out, lse)``, out =
+    sum_j exp(l_j - lse) o_j summed in fp32 and rounded once to ``dtype``. One kernel on a GPU
+    (:func:`_merge_by_lse_compiled`) where eager torch launches about four a block; the CPU and
+    the planner run it eagerly, with the same numbers."""
+    lse = lses[0]
+    for block_lse in lses[1:]:
+        lse = torch.logaddexp(lse, block_lse)
+    acc = outs[0] * torch.exp(lses[0] - lse).unsqueeze(-1)
+    for o, block_lse in zip(outs[1:-1], lses[1:-1]):
+        acc = torch.addcmul(acc, o, torch.exp(block_lse - lse).unsqueeze(-1))
+    return torch.addcmul(acc, outs[-1], torch.exp(lses[-1] - lse).unsqueeze(-1)).to(dtype), lse
+
+
+_COMPILED: List = []
+
+
+def _merge_by_lse_compiled(outs: List[torch.Tensor], lses: List[torch.Tensor], dtype: torch.dtype
+                           ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`merge_by_lse` compiled by torch.compile (one fused kernel; compiled at its first
+    call, for any block sizes)."""
+    if not _COMPILED:
+        _COMPILED.append(torch.compile(merge_by_lse, dynamic=True, fullgraph=True))
+    return _COMPILED[0](outs, lses, dtype)
 
 
 def _forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks_flat: List[int], scale: float,
@@ -223,6 +249,11 @@ _block_attention_into.register_fake(_forward_into)
 _block_attention_backward = torch.library.custom_op("megatron_tsp::block_attention_backward",
                                                     mutates_args=("dq", "dk", "dv"))(_backward_into)
 _block_attention_backward.register_fake(_backward_into)
+
+# the merge: one op (the planner counts one launch), compiled on GPUs
+_merge = torch.library.custom_op("megatron_tsp::merge_blocks", mutates_args=())(merge_by_lse)
+_merge.register_fake(merge_by_lse)
+_merge.register_kernel("cuda")(_merge_by_lse_compiled)
 
 # the Python implementation of each op (the memory tracker follows them inside)
 IMPLEMENTATIONS = {torch.ops.megatron_tsp.block_attention: _forward_impl,
