@@ -342,18 +342,21 @@ def _cmd_calibrate(ns: argparse.Namespace) -> int:
 def _gpu_check_parser(sub, common) -> None:
     p = sub.add_parser(
         "gpu-check", parents=[common], help="attention backends and one rank of a D=8 job per mode on this GPU",
-        description="What one GPU shows: every attention backend against the math reference and timed at "
-                    "8K-128K, then rank 0 of the config's job per mode with the fake process group (real "
+        description="What one GPU shows: what each attention backend resolves to and whether its check "
+                    "passes, every backend against the math reference and timed at 8K-128K, packed documents "
+                    "against math, then one rank of the config's job per mode with the fake process group (real "
                     "kernels, no-op collectives): peak memory against the planner and compute per step. "
-                    "Results are written as they come.")
+                    "Results, warnings and library versions are written as they come.")
     p.add_argument("--config", default=None, help="YAML config (default: configs/7b/128k-tsp8.yaml)")
     p.add_argument("--modes", type=name_list, default="tsp,tp-sp,tp-sp-ring,tp-cp", help="comma-separated modes")
     p.add_argument("--steps", type=POSITIVE_INT, default=2, help="timed steps per mode (after one warm-up)")
     p.add_argument("--budget-s", type=POSITIVE_FLOAT, default=420.0,
                    help="time budget: what does not fit is recorded as skipped")
-    p.add_argument("--parts", type=name_list, default="gemm,backends,modes",
-                   help="comma-separated parts to run: gemm, backends, modes; profile: one more step per mode "
-                        "under torch's profiler, its top kernels recorded")
+    p.add_argument("--parts", type=name_list, default="gemm,checks,documents,backends,modes",
+                   help="comma-separated parts to run: gemm, checks, documents, backends, modes; profile: one more "
+                        "step per mode under torch's profiler, its top kernels and kernel launches recorded")
+    p.add_argument("--rank", type=NON_NEGATIVE_INT, default=0,
+                   help="the rank of the job that the modes part runs (TSP's ranks attend different blocks)")
     p.add_argument("--attention-backend", default="auto",
                    help="the attention kernel of every mode's step: auto (on a GPU cuDNN from 16K keys, else "
                         "flash), flash, cudnn, efficient, flash_attn")
@@ -379,10 +382,12 @@ def _cmd_gpu_check(ns: argparse.Namespace) -> int:
     unknown = sorted(set(ns.parts) - set(gpucheck.PARTS))
     if unknown:
         raise UserError(f"--parts: unknown part {unknown[0]!r}; choose from {', '.join(gpucheck.PARTS)}")
-    config.resolve(dict(config.load_config(path), **config.overrides(ns)))  # one line for a bad config, now
+    world = config.sizes(config.resolve(dict(config.load_config(path), **config.overrides(ns)))).world_size
+    if ns.rank >= world:  # a line now, for a bad config or rank, rather than an error per mode
+        raise UserError(f"--rank {ns.rank}: the job has {world} ranks (0-{world - 1})")
     write_file(ns.out, "", "--out")  # and for an output that cannot be written, before any work
     result = gpucheck.run(ns.out, path, ns.modes, ns.steps, config.overrides(ns), ns.budget_s, parts=ns.parts,
-                          attention_backend=ns.attention_backend)
+                          attention_backend=ns.attention_backend, rank=ns.rank)
     print(gpucheck.summary(result))
     markdown = os.path.splitext(ns.out)[0] + ".md"
     write_file(markdown, gpucheck.table(result) + "\n", "--out")
