@@ -753,22 +753,30 @@ def test_backward_in_calls_writes_what_one_call_writes():
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
-def test_the_fused_merge_compiled_equals_eager():
-    """The lse merge as a GPU runs it (torch.compile: one kernel) gives the eager function's
-    numbers, which the CPU and the planner run: to 1e-6 in fp32, to bf16's rounding in bf16."""
+def test_the_fused_ops_compiled_equal_eager():
+    """The lse merge and RoPE (forward and backward) as a GPU runs them (torch.compile: one
+    kernel each) give the eager functions' numbers, which the CPU and the planner run: to 1e-6
+    in fp32, to bf16's rounding in bf16."""
     import shutil
 
     from megatron_tsp.core.block_attention import merge_by_lse
+    from megatron_tsp.core.fusion import compiled_on_first_call
+    from megatron_tsp.core.rope import rotate, rotate_back
 
     if shutil.which("c++") is None:
         pytest.skip("torch.compile on a CPU needs a C++ compiler")
-    compiled = torch.compile(merge_by_lse, dynamic=True, fullgraph=True)
+    merge = compiled_on_first_call(merge_by_lse)
     generator = torch.Generator().manual_seed(0)
     for blocks, dtype in ((2, torch.float32), (3, torch.float32), (2, torch.bfloat16)):
         outs = [torch.randn(2, 4, 24, 16, generator=generator).to(dtype) for _ in range(blocks)]
         lses = [4 * torch.randn(2, 4, 24, generator=generator) for _ in range(blocks)]
-        (out, lse), (ref, ref_lse) = compiled(outs, lses, dtype), merge_by_lse(outs, lses, dtype)
+        (out, lse), (ref, ref_lse) = merge(outs, lses, dtype), merge_by_lse(outs, lses, dtype)
         assert out.dtype == ref.dtype == dtype and lse.dtype == torch.float32
         torch.testing.assert_close(lse, ref_lse, rtol=1e-6, atol=1e-6)
         tolerance = 1e-6 if dtype == torch.float32 else 8e-3
         torch.testing.assert_close(out.float(), ref.float(), rtol=tolerance, atol=tolerance)
+    t, grad = (torch.randn(12, 2, 4, 16, generator=generator) for _ in range(2))
+    angles = torch.randn(12, 1, 1, 16, generator=generator)
+    for fn, x in ((rotate, t), (rotate_back, grad)):
+        torch.testing.assert_close(compiled_on_first_call(fn)(x, angles.cos(), angles.sin()),
+                                   fn(x, angles.cos(), angles.sin()), rtol=1e-6, atol=1e-6)

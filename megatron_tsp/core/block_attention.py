@@ -41,6 +41,7 @@ from torch.utils.flop_counter import register_flop_formula
 # of one (a test's kernel, its checked backends, its block lists) is what the op calls.
 from megatron_tsp.core import attention_kernels as kernels
 from megatron_tsp.core import block_geometry as geometry
+from megatron_tsp.core.fusion import compiled_on_first_call
 
 
 def _by_sample(calls: Sequence[geometry.Call]) -> Dict[int, List[int]]:
@@ -123,8 +124,8 @@ def merge_by_lse(outs: List[torch.Tensor], lses: List[torch.Tensor], dtype: torc
                   ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Blocks of the same query rows merged by their log-sum-exps: ``(out, lse)``, out =
     sum_j exp(l_j - lse) o_j summed in fp32 and rounded once to ``dtype``. One kernel on a GPU
-    (:func:`_merge_by_lse_compiled`) where eager torch launches about four a block; the CPU and
-    the planner run it eagerly, with the same numbers."""
+    (:mod:`~megatron_tsp.core.fusion`) where eager torch launches about four a block; the CPU
+    and the planner run it eagerly, with the same numbers."""
     lse = lses[0]
     for block_lse in lses[1:]:
         lse = torch.logaddexp(lse, block_lse)
@@ -132,18 +133,6 @@ def merge_by_lse(outs: List[torch.Tensor], lses: List[torch.Tensor], dtype: torc
     for o, block_lse in zip(outs[1:-1], lses[1:-1]):
         acc = torch.addcmul(acc, o, torch.exp(block_lse - lse).unsqueeze(-1))
     return torch.addcmul(acc, outs[-1], torch.exp(lses[-1] - lse).unsqueeze(-1)).to(dtype), lse
-
-
-_COMPILED: List = []
-
-
-def _merge_by_lse_compiled(outs: List[torch.Tensor], lses: List[torch.Tensor], dtype: torch.dtype
-                           ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """:func:`merge_by_lse` compiled by torch.compile (one fused kernel; compiled at its first
-    call, for any block sizes)."""
-    if not _COMPILED:
-        _COMPILED.append(torch.compile(merge_by_lse, dynamic=True, fullgraph=True))
-    return _COMPILED[0](outs, lses, dtype)
 
 
 def _forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks_flat: List[int], scale: float,
@@ -253,7 +242,7 @@ _block_attention_backward.register_fake(_backward_into)
 # the merge: one op (the planner counts one launch), compiled on GPUs
 _merge = torch.library.custom_op("megatron_tsp::merge_blocks", mutates_args=())(merge_by_lse)
 _merge.register_fake(merge_by_lse)
-_merge.register_kernel("cuda")(_merge_by_lse_compiled)
+_merge.register_kernel("cuda")(compiled_on_first_call(merge_by_lse))
 
 # the Python implementation of each op (the memory tracker follows them inside)
 IMPLEMENTATIONS = {torch.ops.megatron_tsp.block_attention: _forward_impl,

@@ -10,9 +10,9 @@ formula on the CPU and under the planner's fake tensors, which count it as one l
 
 from __future__ import annotations
 
-from typing import List
-
 import torch
+
+from megatron_tsp.core.fusion import compiled_on_first_call
 
 
 def rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -28,27 +28,16 @@ def rotate_back(grad: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
     return grad * cos + torch.cat((u2, -u1), dim=-1)
 
 
-_COMPILED: List = []
-
-
-def _compiled(fn):
-    def run(*args):
-        if not any(f is fn for f, _ in _COMPILED):
-            _COMPILED.append((fn, torch.compile(fn, dynamic=True, fullgraph=True)))
-        return next(c for f, c in _COMPILED if f is fn)(*args)
-    return run
-
-
 def _empty(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return t.new_empty(torch.broadcast_shapes(t.shape, cos.shape, sin.shape))
 
 
 _rope = torch.library.custom_op("megatron_tsp::rope", mutates_args=())(rotate)
 _rope.register_fake(_empty)
-_rope.register_kernel("cuda")(_compiled(rotate))
+_rope.register_kernel("cuda")(compiled_on_first_call(rotate))
 _rope_backward = torch.library.custom_op("megatron_tsp::rope_backward", mutates_args=())(rotate_back)
 _rope_backward.register_fake(_empty)
-_rope_backward.register_kernel("cuda")(_compiled(rotate_back))
+_rope_backward.register_kernel("cuda")(compiled_on_first_call(rotate_back))
 
 
 def _setup_context(ctx, inputs, output):
