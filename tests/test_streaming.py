@@ -40,6 +40,22 @@ def test_a_transfer_waited_for_twice_is_waited_for_once():
     assert work.waited == 1
 
 
+def test_without_overlap_a_transfer_completes_where_it_is_posted_and_is_waited_for_once():
+    """comm.Blocking (tsp-no-overlap): the post waits; the schedule's own wait, the schedule
+    it is handed to (core/prefetch.py) and a dropped prefetch do not wait again (gloo's
+    point-to-point works never return from a second wait)."""
+    assert comm.transport(True) is comm.InFlight and comm.transport(False) is comm.Blocking
+    with comm.Blocking() as blocking:
+        work = blocking.add(Work())
+        assert work.waited == 1
+        blocking.wait(work)
+        blocking.hand_over(work)
+    with comm.InFlight() as taker:
+        taker.wait(taker.add(work))
+    comm.finish(work)
+    assert work.waited == 1
+
+
 def test_gemm_accumulates_in_fp32_and_writes_where_it_is_told():
     a, b, c = torch.randn(5, 7), torch.randn(7, 3), torch.randn(5, 3)
     out = c.clone()

@@ -22,9 +22,14 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch._subclasses.fake_tensor import is_fake
 
-from megatron_tsp.core import zigzag
+from megatron_tsp.core import comm, zigzag
 from megatron_tsp.core.attention_kernels import prepare_backend, validate_backend
-from megatron_tsp.core.attention_schedule import AttentionScheduleArgs, BroadcastShardsGatherKV, Rope
+from megatron_tsp.core.attention_schedule import (
+    AttentionScheduleArgs,
+    BroadcastShardsGatherKV,
+    Rope,
+    post_first_shards,
+)
 from megatron_tsp.core.block_geometry import blocks as global_blocks
 from megatron_tsp.core.block_geometry import (
     window_of,
@@ -40,14 +45,15 @@ from megatron_tsp.core.head_groups import head_groups_per_call
 from megatron_tsp.core.parallel_state import resolve_tsp_groups
 from megatron_tsp.core.prefetch import LayerChain
 from megatron_tsp.core.rope import apply_rope
-from megatron_tsp.core.streaming import WeightBroadcast, linear_pair_shard, run_forward_pre_hooks
+from megatron_tsp.core.streaming import linear_pair_shard, run_forward_pre_hooks
 from megatron_tsp.core.support import check_attention_config
 
 
 class TSPSelfAttention(SelfAttention):
     """Drop-in for megatron's ``SelfAttention`` under TSP (same parameters and checkpoints).
 
-    ``overlap_comm``: the next head groups' weights and K/V travel while one computes.
+    ``overlap_comm``: the next head groups' weights and K/V travel while one computes (else
+    every transfer completes where it is posted: :class:`~megatron_tsp.core.comm.Blocking`).
     ``attention_backend``: see :func:`megatron_tsp.core.attention_kernels.resolve_backend`.
     ``zigzag_indices``: an :class:`~megatron_tsp.core.zigzag.IndexCache` shared by the
     layers of a model (the TSP layer spec passes one), else this layer's own.
@@ -107,13 +113,10 @@ class TSPSelfAttention(SelfAttention):
         """Parameters every rank holds whole and uses on its own tokens (q/k norms)."""
         return [p for m in (self.q_layernorm, self.k_layernorm) if m is not None for p in m.parameters()]
 
-    def post_first_transfer(self):
-        """Post this layer's first transfers, the shards its stream starts with (head groups
-        0..lookahead): :mod:`prefetch`."""
-        own = self.shard_tensors()
-        posted = {r: WeightBroadcast.post(own, self.weight_group, r)
-                  for r in range(min(1 + self.lookahead, self.weight_group.size()))}
-        return posted, [work for _, work in posted.values()]
+    def post_first_transfer(self, inflight: comm.InFlight):
+        """Post this layer's first transfer on the poster's transport ``inflight``
+        (:func:`~megatron_tsp.core.attention_schedule.post_first_shards`): :mod:`prefetch`."""
+        return post_first_shards(self.shard_tensors(), self.weight_group, self.lookahead, inflight)
 
     # ---- the local stage of one head group ---------------------------------------------
     def rope_tables(self, freqs: Optional[torch.Tensor], dtype: torch.dtype) -> Rope:
@@ -224,12 +227,12 @@ class TSPSelfAttention(SelfAttention):
         if own_keys_last is not None:
             own_keys_first = zigzag_own_keys_first(d_size, rank, chunk, [b for _, b in chunks])
         args = AttentionScheduleArgs(
-            kv_group=self.tsp_group, weight_group=self.weight_group, split_heads=self.split_heads,
+            tsp_group=self.tsp_group, weight_group=self.weight_group, split_heads=self.split_heads,
             rope=self.rope_tables(freqs, hidden_states.dtype), chunks=chunks, backward_blocks=backward_blocks,
             softmax_scale=self.softmax_scale,
             backend=backend, width=self.query_projection_size, head_dim=self.hidden_size_per_attention_head,
             kv_heads=self.num_query_groups_per_partition, has_bias=self.linear_qkv.bias is not None,
-            overlap=self.overlap_comm, lookahead=self.lookahead,
+            transport=comm.transport(self.overlap_comm), lookahead=self.lookahead,
             chain=self.chain, module=self, softmax_type=self.config.softmax_type, own_keys_last=own_keys_last,
             own_keys_first=own_keys_first,
             backward_follows=torch.is_grad_enabled() or self.config.recompute_granularity == "full",

@@ -20,13 +20,58 @@ head group the projection and log-sum-exp of p's tokens (1/D of what one device 
 nothing is recomputed but q/k norms and RoPE, and what a flash kernel's own backward
 recomputes. The attention itself is :mod:`megatron_tsp.core.block_attention`, the op every
 baseline uses too.
+
+What travels while what computes. Both passes run over n *stages* of G head groups side by
+side (``groups_per_call``, :mod:`megatron_tsp.core.head_groups`; with G = 1 a stage is a head
+group): one K/V gather, one dK/dV reduce-scatter and one kernel call per block for the whole
+stage. Stage s's transfers are W(s), its head groups' weight shards, each broadcast by its
+owner (on a communicator of their own: :mod:`megatron_tsp.core.streaming`); KV(s), its K/V
+all-gather (every rank's first chunks, then their second chunks: :mod:`megatron_tsp.core.kv`);
+dKV(s), its dK/dV reduce-scatter (every rank's second chunks, then their first chunks); and
+dW(s), its head groups' fp32 weight gradients, each reduced to its owner. L is the lookahead
+(``--tsp-lookahead``). Both passes start with W(0..L) posted (head groups 0..L's by the
+module before, during its last stage, where it could: :mod:`megatron_tsp.core.prefetch`)
+and stage 0's q, k, v computed, its K/V gather posted. Forward, step s = 0..n-1
+(:meth:`BroadcastShardsGatherKV.forward`), then y = O Wproj^T:
+
+    | step s computes                                 | waits for | in flight meanwhile                |
+    |-------------------------------------------------|-----------|------------------------------------|
+    | at s = n-1: posts the next module's first transfer                                               |
+    | q, k, v of stage s+1 (posts W(s+1+L) first,     | W(s+1)    | W(s+2..s+1+L), KV(s)               |
+    |   KV(s+1) last)                                 |           |                                    |
+    | stage s+1's blocks against its own keys (at     |           | W(s+2..s+1+L), KV(s), KV(s+1)      |
+    |   s = 0 stage 0's first)                        |           |                                    |
+    | stage s's blocks against the gathered keys,     | KV(s)     | W(s+2..s+1+L), KV(s+1)             |
+    |   merged with its own keys' part                |           |                                    |
+
+Backward, step s = 0..n-1 (:meth:`BroadcastShardsGatherKV.backward`; KV(0) posted by the MLP
+after this attention as its backward starts, where it could), then stage n-1's dx and dWqkv:
+
+    | step s computes                                 | waits for | in flight meanwhile                |
+    |-------------------------------------------------|-----------|------------------------------------|
+    | posts W(s+1+L); at s = n-1 the next module's first transfer                                      |
+    | q, k, v of stage s+1 (posts KV(s+1) last)       |           | W(s..s+1+L), KV(s), dKV(s-1),      |
+    |                                                 |           |   a dW reduce                      |
+    | dWproj and the attention backward of stage s    | W(s),     | W(s+1..s+1+L), KV(s+1), dKV(s-1),  |
+    |   (posts dKV(s): the second chunks when final)  | KV(s)     |   a dW reduce                      |
+    | dx and dWqkv of stage s-1, a head group at a    | dKV(s-1), | W(s+1..s+1+L), KV(s+1), dKV(s),    |
+    |   time (posts its dW reduce)                    | the one   |   a dW reduce                      |
+    |                                                 | before    |                                    |
+
+With plain causal attention (no window, no documents) a stage's forward first attends to
+this rank's own two key chunks, which need nothing to arrive (:func:`zigzag_own_keys_first`),
+and the last stage's backward runs its blocks against them last, while its dK/dV travel
+(:func:`zigzag_own_keys_last`). Without overlap (``overlap_comm=False``) the same steps run
+on :class:`~megatron_tsp.core.comm.Blocking`, where every transfer completes where it is
+posted: the sums run in the same order either way, bit-identical where the attention
+kernels are deterministic (the CPU's; not flash-attn's backward on a GPU).
 """
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, replace
-from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple, Type
 
 import torch
 import torch.distributed as dist
@@ -45,17 +90,19 @@ Rope = Optional[Tuple[torch.Tensor, ...]]
 
 @dataclass(frozen=True)
 class AttentionScheduleArgs:
-    """The arguments of :class:`BroadcastShardsGatherKV`: the group K/V are gathered over and
-    the one weight shards are broadcast over; ``split_heads(qkv, rope, local=None) -> q, k,
-    v`` for one head group (q/k norms and RoPE: the layer's local stage; K and V written into
-    ``local``, the gather's send buffer, when given) and its RoPE tables; this rank's query
-    chunks, each its rows and attention blocks (:func:`zigzag_blocks`; the first needs only
-    every rank's first chunk of K/V), and the backward's blocks over all of them and how
-    many run before the rest (:func:`zigzag_backward_blocks`); scale and kernel; the width of
-    O; whether the QKV projection has a bias (a shard is then Wqkv, bqkv, Wproj); the overlap
-    switch and lookahead; the model's layer chain and the module (:mod:`prefetch`)."""
+    """The arguments of :class:`BroadcastShardsGatherKV`: the TSP group (K/V are gathered
+    over it) and the one weight shards are broadcast over; ``split_heads(qkv, rope,
+    local=None) -> q, k, v`` for one head group (q/k norms and RoPE: the layer's local stage;
+    K and V written into ``local``, the gather's send buffer, when given) and its RoPE
+    tables; this rank's query chunks, each its rows and attention blocks
+    (:func:`zigzag_blocks`; the first needs only every rank's first chunk of K/V), and the
+    backward's blocks over all of them and how many run before the rest
+    (:func:`zigzag_backward_blocks`); scale and kernel; the width of O; whether the QKV
+    projection has a bias (a shard is then Wqkv, bqkv, Wproj); the transport
+    (:func:`comm.transport`) and lookahead; the model's layer chain and the module
+    (:mod:`prefetch`)."""
 
-    kv_group: dist.ProcessGroup
+    tsp_group: dist.ProcessGroup
     weight_group: dist.ProcessGroup
     split_heads: Callable
     rope: Rope
@@ -67,7 +114,7 @@ class AttentionScheduleArgs:
     head_dim: int
     kv_heads: int
     has_bias: bool
-    overlap: bool
+    transport: Type[comm.InFlight]
     lookahead: int
     chain: LayerChain
     module: object
@@ -80,15 +127,16 @@ class AttentionScheduleArgs:
     def columns(self, r: int, count: int = 1) -> slice:
         """Head groups r..r+count-1's columns of the concatenated attention output O (and
         rows of Wproj^T): their a*d/D input features of the output projection each."""
-        width = self.width // self.kv_group.size()
+        width = self.width // self.tsp_group.size()
         return slice(r * width, (r + count) * width)
 
     @property
     def stages(self) -> int:
-        return self.kv_group.size() // self.groups_per_call
+        return self.tsp_group.size() // self.groups_per_call
 
     def stage_groups(self, s: int) -> range:
-        """The head groups of stage s, attended in one call per block."""
+        """The head groups of stage s, attended in one call per block (past the last stage:
+        head groups no rank has, which no stream posts)."""
         return range(s * self.groups_per_call, (s + 1) * self.groups_per_call)
 
     def stage_columns(self, s: int) -> slice:
@@ -96,7 +144,7 @@ class AttentionScheduleArgs:
 
     def group_heads(self, j: int) -> Tuple[slice, slice]:
         """The j-th head group of a stage: its query heads and its K/V heads there."""
-        queries = self.width // self.head_dim // self.kv_group.size()
+        queries = self.width // self.head_dim // self.tsp_group.size()
         return slice(j * queries, (j + 1) * queries), slice(j * self.kv_heads, (j + 1) * self.kv_heads)
 
 
@@ -105,137 +153,62 @@ def side_by_side(tensors: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
     return tensors[0] if len(tensors) == 1 else torch.cat(list(tensors), dim=dim)
 
 
-class HeadGroup(NamedTuple):
-    """Forward, one stage (its head groups side by side in the head dimension): its queries
-    for this rank's tokens, its K/V being gathered, this rank's own K/V (the gather's send
-    buffer), and, once attended, per query chunk its attention against the own keys
-    (:func:`zigzag_own_keys_first`): fp32 and its lse, or the chunk's output and lse where it
-    sees no other keys."""
+def post_first_shards(own: Sequence[torch.Tensor], weight_group: dist.ProcessGroup, lookahead: int,
+                      inflight: Optional[comm.InFlight] = None):
+    """A pass's first transfer: the broadcasts of head groups 0..lookahead's shards
+    (``({r: (buffer, work)}, works)``; None on one rank). The module before posts it during
+    its last stage where it can (:mod:`prefetch`; registered with its transport
+    ``inflight``), else the pass itself (:func:`weight_stream`)."""
+    if weight_group.size() == 1:
+        return None
+    posted = {r: WeightBroadcast.post(own, weight_group, r, inflight)
+              for r in range(min(1 + lookahead, weight_group.size()))}
+    return posted, [work for _, work in posted.values()]
 
-    query: torch.Tensor
-    kv: GatherKV
-    local: torch.Tensor
-    own: Optional[List[Tuple[torch.Tensor, torch.Tensor]]] = None
+
+def weight_stream(args: AttentionScheduleArgs, own: Sequence[torch.Tensor], inflight: comm.InFlight
+                  ) -> WeightBroadcast:
+    """A pass's broadcast stream with the shards of stages 0..lookahead posted: its first
+    transfer taken from the module before where it posted it, the rest now."""
+    first = args.chain.take(args.module) or post_first_shards(own, args.weight_group, args.lookahead)
+    stream = WeightBroadcast(own, args.weight_group, inflight, first=first)
+    for r in range(args.groups_per_call * (1 + args.lookahead)):
+        stream.start(r)
+    return stream
 
 
 class BroadcastShardsGatherKV(torch.autograd.Function):
-    """y_p = (concat_r attn(x_p; W_r)) Wproj^T with W_r broadcast from rank r (module docstring).
-
-    Forward, per stage r (explicit loop; a stage is ``groups_per_call`` head groups side by
-    side, one K/V gather and one kernel call per block for all of them, and with one group
-    a stage is a head group): the broadcasts of the next ``lookahead`` stages' shards are in
-    flight; stage r+1 is projected and its K/V all-gather started before stage r attends, so
-    that the gather runs during the attention. In the zigzag layout a stage attends first to
-    this rank's own two key chunks, which need no transfer (stage r+1's before stage r's
-    others; stage 0's once stage 1's gather is posted too), then to the others' once they
-    arrive, merged with the first part by lse inside the op. Stage r's attention output goes
-    into its columns of O, each projection shard into its columns of Wproj, and each weight
-    buffer goes. Backward re-broadcasts W_r, re-gathers K_r, V_r from the saved projections
-    ``m_r`` and runs the attention kernels' backward from ``(O_r, lse_r)``: no attention
-    forward and no projection GEMM is recomputed. Stage r+1's K/V gather is started before
-    stage r's attention backward, and stage r's dK/dV reduce-scatter is in flight while stage
-    r+1 computes (stage r's input and weight gradients are finished after it). Sums run in
-    the same order with and without overlap (``args.overlap``): bit-identical results where
-    the attention kernels are deterministic (the CPU's; not flash-attn's backward on a GPU).
-    """
+    """y_p = (concat_r attn(x_p; W_r)) Wproj^T with W_r broadcast from rank r: the two loops
+    of the module docstring's tables, over the steps of :class:`ForwardPass` and
+    :class:`BackwardPass`. The backward starts from the saved projections ``m_r`` and
+    ``(O_r, lse_r)``: no attention forward and no projection GEMM runs again."""
 
     @staticmethod
     def forward(ctx, args: AttentionScheduleArgs, x, *params):
         n_shard = 3 if args.has_bias else 2
         learnable = args.softmax_type == "learnable"
         own, replicated = params[:n_shard], params[n_shard:len(params) - learnable]
-        d_size = args.kv_group.size()
         sinks = head_group_sinks(args, params[-1] if learnable else None, x.device)
-        out = x.new_empty(x.shape[:2] + (args.width,))  # O: head group r in columns(r)
-        proj = own[-1] if d_size == 1 else own[-1].new_empty(own[-1].size(0), args.width)
-        projections, lses = [None] * d_size, []
-        with comm.InFlight() as inflight:
-            stream = WeightBroadcast(own, args.weight_group, inflight, first=args.chain.take(args.module))
-            ahead = (args.lookahead if args.overlap else 0) * args.groups_per_call  # in head groups
-
-            def use(r: int) -> List[torch.Tensor]:
-                """Shard r, with the shards of the next ``lookahead`` stages in flight behind it."""
-                stream.start(r + ahead)
-                return stream.wait(r)
-
-            def project(s: int) -> HeadGroup:
-                local, queries = None, []
-                for j, r in enumerate(args.stage_groups(s)):
-                    shard = use(r)
-                    mixed = F.linear(x, *shard[:-1])
-                    projections[r] = mixed
-                    if local is None:
-                        local = send_buffer(mixed.shape[:2] + (args.groups_per_call * args.kv_heads, args.head_dim),
-                                            mixed)
-                    query, _, _ = args.split_heads(mixed, args.rope, local[:, :, :, args.group_heads(j)[1]])
-                    queries.append(query)
-                    if d_size > 1:
-                        proj[:, args.columns(r)].copy_(shard[-1])
-                    stream.release(r)
-                return HeadGroup(side_by_side(queries, 2), GatherKV(local, args.kv_group, inflight)
-                                 if d_size > 1 else local, local)
-
-            def attend_own(s: int, group: Optional[HeadGroup]) -> Optional[HeadGroup]:
-                """Stage s's blocks against this rank's own keys, which need nothing to arrive."""
-                if group is None or args.own_keys_first is None:
-                    return group
-                if not args.overlap:  # the transfer, then the compute
-                    inflight.wait(group.kv.works())
-                keys, values = group.local[:, 0], group.local[:, 1]
-                parts = []
-                for (rows, _), (mine, others) in zip(args.chunks, args.own_keys_first):
-                    o = columns(s)[rows]  # final where the chunk sees no other keys
-                    part = o.new_empty(o.shape, dtype=torch.float32) if others else o
-                    parts.append((part, attend_into(group.query[rows], keys, values, mine, args.softmax_scale,
-                                                    args.backend, part)))
-                return group._replace(own=parts)
-
-            def columns(s: int) -> torch.Tensor:
-                return out[..., args.stage_columns(s)].view(out.shape[:2] + (-1, args.head_dim))
-
-            def arrived(group: HeadGroup, i: int) -> Tuple[torch.Tensor, torch.Tensor]:
-                """The stage's gathered K and V, once what query chunk i attends to has arrived."""
-                if d_size == 1:
-                    return group.kv[:, 0], group.kv[:, 1]
-                return group.kv.wait_first() if i == 0 else group.kv.wait()
-
-            for r in range(args.groups_per_call + ahead):
-                stream.start(r)
-            group = project(0)
-            stages = args.stages
-            for s in range(stages):
-                upcoming = None
-                if args.overlap:
-                    if s == stages - 1:  # the next layer's first shard travels during this last stage
-                        args.chain.post_next(args.module, backward=False,
-                                             then_backward=args.backward_follows and any(ctx.needs_input_grad))
-                    upcoming = project(s + 1) if s + 1 < stages else None
-                if s == 0:  # once the next stage's gather is posted too
-                    group = attend_own(0, group)
-                if args.overlap:  # while this stage's K/V still travel
-                    upcoming = attend_own(s + 1, upcoming)
-                o = columns(s)
-                groups = args.stage_groups(s)
-                sink = None if sinks is None else sinks[groups.start:groups.stop].reshape(-1)
-                for i, (rows, blocks) in enumerate(args.chunks):  # the first chunk's keys arrive first
-                    if group.own is None:
-                        lse = attend_into(group.query[rows], *arrived(group, i), blocks, args.softmax_scale,
-                                          args.backend, o[rows])
-                    else:  # the blocks against the other ranks' keys, merged with the own keys' part
-                        (part, lse), others = group.own[i], args.own_keys_first[i][1]
-                        if others:
-                            lse = attend_into(group.query[rows], *arrived(group, i), others, args.softmax_scale,
-                                              args.backend, o[rows], before=(part, lse))
-                    lses.append(lse if sink is None else apply_sink(bhsd(o[rows])[0], lse, sink))
-                if not args.overlap and s + 1 < stages:
-                    upcoming = attend_own(s + 1, project(s + 1))
-                group = upcoming
-        y = F.linear(out, proj)  # one GEMM over the head groups: fp32 inside, rounded once
+        then_backward = args.backward_follows and any(ctx.needs_input_grad)
+        n = args.stages
+        with args.transport() as inflight:
+            fwd = ForwardPass(args, x, weight_stream(args, own, inflight), inflight, sinks)
+            stage = fwd.project(0)
+            for s in range(n):
+                if s == n - 1:
+                    args.chain.post_next(args.module, inflight, backward=False, then_backward=then_backward)
+                upcoming = fwd.project(s + 1) if s + 1 < n else None
+                if s == 0:  # once stage 1's gather is posted too
+                    stage = fwd.attend_own(stage)
+                upcoming = fwd.attend_own(upcoming)  # while its K/V travel
+                fwd.attend_gathered(stage)
+                stage = upcoming
+        y = F.linear(fwd.out, fwd.proj)  # one GEMM over the head groups: fp32 inside, rounded once
         ctx.args = replace(args, rope=None)  # the tables travel as saved tensors
-        Saved(x, out, own, replicated, projections, lses, list(args.rope or ()),
+        Saved(x, fwd.out, own, replicated, fwd.projections, fwd.lses, list(args.rope or ()),
               [] if sinks is None else [sinks]).save(ctx)
         ctx.prefetched = []
-        if args.overlap and d_size > 1 and args.backward_follows and any(ctx.needs_input_grad):
+        if args.tsp_group.size() > 1 and then_backward:
             args.chain.stash(args.module, lambda inflight: post_backward_regathers(ctx, inflight))
         return y
 
@@ -243,43 +216,30 @@ class BroadcastShardsGatherKV(torch.autograd.Function):
     def backward(ctx, dy):
         saved = Saved.load(ctx)
         args: AttentionScheduleArgs = replace(ctx.args, rope=tuple(saved.rope) or None)
-        grads = HeadGroupGradients(args, dy, saved, ctx.prefetched)
-        with comm.InFlight() as inflight:
-            for inputs in ctx.prefetched:  # posted by the MLP before: waited for here if this fails
+        n = args.stages
+        with args.transport() as inflight:
+            prefetched, ctx.prefetched = ctx.prefetched, []
+            for inputs in prefetched:  # posted by the MLP before: waited for here if this fails
                 inputs.kv.adopt(inflight)
-            ctx.prefetched = []
-            stream = WeightBroadcast(saved.own, args.weight_group, inflight, first=args.chain.take(args.module))
-            ahead = (args.lookahead if args.overlap else 0) * args.groups_per_call  # in head groups
-            for r in range(args.groups_per_call + ahead):
-                stream.start(r)
-            inputs = grads.inputs(0, inflight)
-            scattering: Optional[HeadGroupAttentionGrads] = None  # dK/dV being reduce-scattered
-            stages = args.stages
-            for s in range(stages):
-                upcoming = None
-                if args.overlap:
-                    for r in args.stage_groups(s):  # the stage's shards `lookahead` stages on
-                        stream.start(r + args.groups_per_call + ahead)
-                    if s == stages - 1:
-                        args.chain.post_next(args.module, backward=True)
-                    upcoming = grads.inputs(s + 1, inflight) if s + 1 < stages else None
-                shards = [stream.wait(r) for r in args.stage_groups(s)]
-                finished = grads.attention(s, shards, inputs, stream, inflight)
-                if args.overlap:
-                    finished, scattering = scattering, finished
+            stream = weight_stream(args, saved.own, inflight)
+            bwd = BackwardPass(args, dy, saved, stream, inflight, prefetched)
+            inputs = bwd.inputs(0)
+            finished: Optional[StageGrads] = None  # the stage before, its dK/dV travelling
+            for s in range(n):
+                for r in args.stage_groups(s + 1 + args.lookahead):
+                    stream.start(r)
+                if s == n - 1:
+                    args.chain.post_next(args.module, inflight, backward=True)
+                upcoming = bwd.inputs(s + 1) if s + 1 < n else None
+                attended = bwd.attention(s, inputs)
                 if finished is not None:
-                    grads.weights(finished, stream)
-                if not args.overlap and s + 1 < stages:
-                    for r in args.stage_groups(s + 1):
-                        stream.start(r)
-                    upcoming = grads.inputs(s + 1, inflight)
-                inputs = upcoming
-            if scattering is not None:
-                grads.weights(scattering, stream)
+                    bwd.weights(finished)
+                finished, inputs = attended, upcoming
+            bwd.weights(finished)
             own_grad = stream.own_grad()
-        d_sink = [grads.own_sink_grad()] if args.softmax_type == "learnable" else []
-        return (None, grads.dx.view_as(saved.x).to(saved.x.dtype), *deliver_grads(saved.own, own_grad),
-                *(g.to(p.dtype) for g, p in zip(grads.d_replicated, saved.replicated)), *d_sink)
+        d_sink = [bwd.own_sink_grad()] if args.softmax_type == "learnable" else []
+        return (None, bwd.dx.view_as(saved.x).to(saved.x.dtype), *deliver_grads(saved.own, own_grad),
+                *(g.to(p.dtype) for g, p in zip(bwd.d_replicated, saved.replicated)), *d_sink)
 
 
 def head_group_sinks(args: AttentionScheduleArgs, sink: Optional[torch.Tensor], device) -> Optional[torch.Tensor]:
@@ -288,7 +248,7 @@ def head_group_sinks(args: AttentionScheduleArgs, sink: Optional[torch.Tensor], 
     its weights), off-by-one's zeros; None for the vanilla softmax."""
     if args.softmax_type == "vanilla":
         return None
-    d_size = args.kv_group.size()
+    d_size = args.tsp_group.size()
     heads = args.width // args.head_dim // d_size
     if sink is None:
         return torch.zeros(d_size, heads, device=device)
@@ -296,8 +256,96 @@ def head_group_sinks(args: AttentionScheduleArgs, sink: Optional[torch.Tensor], 
     if d_size == 1:
         return sink.view(1, heads)
     full = sink.new_empty(d_size * heads)
-    dist.all_gather_into_tensor(full, sink, group=args.kv_group)
+    dist.all_gather_into_tensor(full, sink, group=args.tsp_group)
     return full.view(d_size, heads)
+
+
+class ForwardStage(NamedTuple):
+    """Forward, stage s (its head groups side by side in the head dimension): its queries
+    for this rank's tokens, its K/V being gathered, this rank's own K/V (the gather's send
+    buffer), and, once attended, per query chunk its attention against the own keys
+    (:func:`zigzag_own_keys_first`): fp32 and its lse, or the chunk's output and lse where it
+    sees no other keys."""
+
+    s: int
+    query: torch.Tensor
+    kv: GatherKV
+    local: torch.Tensor
+    own: Optional[List[Tuple[torch.Tensor, torch.Tensor]]] = None
+
+
+class ForwardPass:
+    """The forward's steps on a stage, and what they fill across stages: O (stage s in its
+    columns), the output projection's ``proj`` (each shard in its columns), per head group
+    the projection ``m_r``, per stage and query chunk the lse."""
+
+    def __init__(self, args: AttentionScheduleArgs, x, stream: WeightBroadcast, inflight: comm.InFlight,
+                 sinks: Optional[torch.Tensor]):
+        self.args, self.x, self.stream, self.inflight, self.sinks = args, x, stream, inflight, sinks
+        own, d_size = stream.own, args.tsp_group.size()
+        self.out = x.new_empty(x.shape[:2] + (args.width,))
+        self.proj = own[-1] if d_size == 1 else own[-1].new_empty(own[-1].size(0), args.width)
+        self.projections: List[Optional[torch.Tensor]] = [None] * d_size
+        self.lses: List[torch.Tensor] = []
+
+    def columns(self, s: int) -> torch.Tensor:
+        return self.out[..., self.args.stage_columns(s)].view(self.out.shape[:2] + (-1, self.args.head_dim))
+
+    def project(self, s: int) -> ForwardStage:
+        """Stage s's q, k, v from its shards (posting the shards ``lookahead`` stages on as
+        each is waited for, and letting each go once read); its K/V gather posted."""
+        args, local, queries = self.args, None, []
+        for j, r in enumerate(args.stage_groups(s)):
+            self.stream.start(r + args.lookahead * args.groups_per_call)
+            shard = self.stream.wait(r)
+            mixed = F.linear(self.x, *shard[:-1])
+            self.projections[r] = mixed
+            if local is None:
+                local = send_buffer(mixed.shape[:2] + (args.groups_per_call * args.kv_heads, args.head_dim), mixed)
+            query, _, _ = args.split_heads(mixed, args.rope, local[:, :, :, args.group_heads(j)[1]])
+            queries.append(query)
+            if args.tsp_group.size() > 1:
+                self.proj[:, args.columns(r)].copy_(shard[-1])
+            self.stream.release(r)
+        return ForwardStage(s, side_by_side(queries, 2), GatherKV(local, args.tsp_group, self.inflight), local)
+
+    def attend_own(self, stage: Optional[ForwardStage]) -> Optional[ForwardStage]:
+        """The stage's blocks against this rank's own keys, which need nothing to arrive."""
+        args = self.args
+        if stage is None or args.own_keys_first is None:
+            return stage
+        keys, values = stage.local[:, 0], stage.local[:, 1]
+        o = self.columns(stage.s)
+        parts = []
+        for (rows, _), (mine, others) in zip(args.chunks, args.own_keys_first):
+            part = o[rows].new_empty(o[rows].shape, dtype=torch.float32) if others else o[rows]  # final if no others
+            parts.append((part, attend_into(stage.query[rows], keys, values, mine, args.softmax_scale, args.backend,
+                                            part)))
+        return stage._replace(own=parts)
+
+    def attend_gathered(self, stage: ForwardStage) -> None:
+        """The stage's blocks against the gathered keys, query chunk by query chunk as what
+        each attends to arrives (the first chunk's keys arrive first), merged with its own
+        keys' part; its output into its columns of O."""
+        args = self.args
+        o = self.columns(stage.s)
+        groups = args.stage_groups(stage.s)
+        sink = None if self.sinks is None else self.sinks[groups.start:groups.stop].reshape(-1)
+        for i, (rows, blocks) in enumerate(args.chunks):
+            if stage.own is None:
+                lse = attend_into(stage.query[rows], *self._arrived(stage, i), blocks, args.softmax_scale,
+                                  args.backend, o[rows])
+            else:
+                (part, lse), others = stage.own[i], args.own_keys_first[i][1]
+                if others:
+                    lse = attend_into(stage.query[rows], *self._arrived(stage, i), others, args.softmax_scale,
+                                      args.backend, o[rows], before=(part, lse))
+            self.lses.append(lse if sink is None else apply_sink(bhsd(o[rows])[0], lse, sink))
+
+    @staticmethod
+    def _arrived(stage: ForwardStage, i: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The stage's gathered K and V, once what query chunk i attends to has arrived."""
+        return stage.kv.wait_first() if i == 0 else stage.kv.wait()
 
 
 class Saved(NamedTuple):
@@ -330,7 +378,7 @@ class Saved(NamedTuple):
         return cls(x, out, *(list(p) for p in parts))
 
 
-class HeadGroupInputs(NamedTuple):
+class StageInputs(NamedTuple):
     """Backward, one stage: per head group of it, q, k, v recomputed from the saved
     projection ``mixed`` (the local graph of norms and RoPE, kept for autograd); the
     stage's queries side by side, and its K/V being gathered."""
@@ -340,11 +388,11 @@ class HeadGroupInputs(NamedTuple):
     key: List[torch.Tensor]
     value: List[torch.Tensor]
     queries: torch.Tensor
-    kv: object
+    kv: GatherKV
 
 
-def regather_inputs(args: AttentionScheduleArgs, saved: Saved, s: int, inflight: comm.InFlight) -> HeadGroupInputs:
-    """Stage s's backward inputs: q, k, v from its saved projections, K/V gather started."""
+def regather_inputs(args: AttentionScheduleArgs, saved: Saved, s: int, inflight: comm.InFlight) -> StageInputs:
+    """Stage s's backward inputs: q, k, v from its saved projections, K/V gather posted."""
     mixed, query, key, value = [], [], [], []
     local = None
     for j, r in enumerate(args.stage_groups(s)):
@@ -358,8 +406,8 @@ def regather_inputs(args: AttentionScheduleArgs, saved: Saved, s: int, inflight:
         local[:, 1, :, heads].copy_(v.detach())
         for parts, t in zip((mixed, query, key, value), (m, q, k, v)):
             parts.append(t)
-    kv = GatherKV(local, args.kv_group, inflight) if args.kv_group.size() > 1 else local
-    return HeadGroupInputs(mixed, query, key, value, side_by_side([q.detach() for q in query], 2), kv)
+    kv = GatherKV(local, args.tsp_group, inflight)
+    return StageInputs(mixed, query, key, value, side_by_side([q.detach() for q in query], 2), kv)
 
 
 def post_backward_regathers(ctx, inflight: comm.InFlight) -> List[dist.Work]:
@@ -374,32 +422,34 @@ def post_backward_regathers(ctx, inflight: comm.InFlight) -> List[dist.Work]:
     return [work for inputs in ctx.prefetched for work in inputs.kv.works()]
 
 
-class HeadGroupAttentionGrads(NamedTuple):
+class StageGrads(NamedTuple):
     """Backward, one stage after its attention backward: its head groups' weight shards,
     dq, its dK/dV being reduce-scattered to the token owners, and per head group the fp32
     buffer its weight gradients go into (the output projection's is written already). The
     last stage's blocks against this rank's own keys may be still to run (``own_keys``:
-    runs them into the buffer it is given; :meth:`HeadGroupGradients.weights`)."""
+    runs them into the buffer it is given; :meth:`BackwardPass.weights`)."""
 
     s: int
     shards: List[List[torch.Tensor]]
-    inputs: HeadGroupInputs
+    inputs: StageInputs
     dq: torch.Tensor
-    dkv: object
+    dkv: ScatterKVGrads
     flats: List[torch.Tensor]
     own_keys: Optional[Callable[[torch.Tensor], None]] = None
 
 
-class HeadGroupGradients:
-    """The backward of one stage s (its head groups side by side), in three steps the
-    schedule interleaves across stages: :meth:`inputs` (q, k, v from the saved projections,
-    K/V gather started), :meth:`attention` (dWproj, attention backward up to dq, dK/dV
-    reduce-scatter started), :meth:`weights` (per head group dx, dWqkv, reduce to the owner,
-    once dK/dV are back). ``dx`` is summed over head groups inside its GEMMs, in fp32 and in
-    head-group order; the norm gradients in fp32."""
+class BackwardPass:
+    """The backward's three steps on a stage, which its loop interleaves across stages
+    (:meth:`inputs`: q, k, v from the saved projections, K/V gather posted;
+    :meth:`attention`: dWproj, attention backward up to dq, dK/dV reduce-scatter posted;
+    :meth:`weights`: per head group dx, dWqkv, reduce to the owner, once dK/dV are back), and
+    what they sum across stages: ``dx`` inside its GEMMs, in fp32 and in head-group order,
+    the norm and sink gradients in fp32."""
 
-    def __init__(self, args: AttentionScheduleArgs, dy, saved: Saved, prefetched: Sequence[HeadGroupInputs] = ()):
-        self.args, self.dy, self.saved, self.prefetched = args, dy, saved, list(prefetched)
+    def __init__(self, args: AttentionScheduleArgs, dy, saved: Saved, stream: WeightBroadcast,
+                 inflight: comm.InFlight, prefetched: Sequence[StageInputs] = ()):
+        self.args, self.dy, self.saved, self.stream, self.inflight = args, dy, saved, stream, inflight
+        self.prefetched = list(prefetched)
         self.dy2d = dy.reshape(-1, dy.size(-1))
         self.x2d = saved.x.reshape(-1, saved.x.size(-1))
         self.out2d = saved.out.view(-1, saved.out.size(-1))
@@ -409,28 +459,27 @@ class HeadGroupGradients:
         # every head group's sink gradient from this rank's queries, summed at its owner at the end
         self.d_sinks = torch.zeros_like(saved.sinks[0]) if args.softmax_type == "learnable" else None
 
-    def inputs(self, s: int, inflight: comm.InFlight) -> HeadGroupInputs:
+    def inputs(self, s: int) -> StageInputs:
         if s < len(self.prefetched) and self.prefetched[s] is not None:
             taken, self.prefetched[s] = self.prefetched[s], None
             return taken
-        return regather_inputs(self.args, self.saved, s, inflight)
+        return regather_inputs(self.args, self.saved, s, self.inflight)
 
-    def attention(self, s: int, shards, inputs: HeadGroupInputs, stream: WeightBroadcast,
-                  inflight: comm.InFlight) -> HeadGroupAttentionGrads:
+    def attention(self, s: int, inputs: StageInputs) -> StageGrads:
         args = self.args
         groups = args.stage_groups(s)
+        shards = [self.stream.wait(r) for r in groups]
         flats = []
         for r in groups:
-            flats.append(stream.grad_buffer())
+            flats.append(self.stream.grad_buffer())
             gemm_t(self.dy2d, self.out2d[:, args.columns(r)], out=unpack(flats[-1], self.saved.own)[-1])  # dWproj_r
         d_out = side_by_side([self.dy @ shard[-1] for shard in shards], 2).view(self.dy.shape[:2] + (-1, args.head_dim))
         out = self.saved.out[..., args.stage_columns(s)].view(d_out.shape)
-        spread = args.kv_group.size() > 1
-        keys, values = inputs.kv.wait() if spread else (inputs.kv[:, 0], inputs.kv[:, 1])
+        keys, values = inputs.kv.wait()
         dkv, fresh = self._dkv_buffer(s, keys)
         query = inputs.queries
         dq = torch.empty_like(query)
-        scatter = ScatterKVGrads(dkv, args.kv_group, inflight) if spread else dkv
+        scatter = ScatterKVGrads(dkv, args.tsp_group, self.inflight)
         n = len(args.chunks)
         lse = torch.cat(self.saved.lses[s * n:(s + 1) * n], dim=-1)
         if self.d_sinks is not None:
@@ -453,30 +502,27 @@ class HeadGroupGradients:
                 dkv[rows].zero_()
             scatter.post_second_halves()
             scatter.post_first_halves()
-            return HeadGroupAttentionGrads(s, shards, inputs, dq, scatter, flats,
-                                           lambda target: run(blocks, split, len(blocks), target, False))
+            return StageGrads(s, shards, inputs, dq, scatter, flats,
+                              lambda target: run(blocks, split, len(blocks), target, False))
         blocks, split = args.backward_blocks
-        # once the first blocks have run, every rank's second chunk of dK/dV is final and
-        # travels while the rest run
-        for first, last in ((0, split), (split, len(blocks))):
-            if first < last:
-                run(blocks, first, last, dkv, fresh and first == 0)
-            if spread and first == 0:
-                scatter.post_second_halves()
-        if spread:
-            scatter.post_first_halves()
-        return HeadGroupAttentionGrads(s, shards, inputs, dq, scatter, flats)
+        if split > 0:
+            run(blocks, 0, split, dkv, fresh)
+        scatter.post_second_halves()  # every rank's second chunk of dK/dV is final: it travels while the rest run
+        if split < len(blocks):
+            run(blocks, split, len(blocks), dkv, fresh and split == 0)
+        scatter.post_first_halves()
+        return StageGrads(s, shards, inputs, dq, scatter, flats)
 
     def _own_rows(self, rows: int) -> Tuple[slice, ...]:
         """This rank's first and second chunk in the zigzag layout of ``rows`` key rows
         (:func:`rank_slots`), the order :class:`ScatterKVGrads` hands them back in."""
-        d, p = self.args.kv_group.size(), self.args.kv_group.rank()
+        d, p = self.args.tsp_group.size(), self.args.tsp_group.rank()
         c = rows // (2 * d)
         return tuple(slice(slot * c, (slot + 1) * c) for slot in rank_slots(d, p))
 
     def own_sink_grad(self) -> torch.Tensor:
         """This rank's head group's sink gradient: every rank's part of it, summed here."""
-        group = self.args.kv_group
+        group = self.args.tsp_group
         if group.size() == 1:
             return self.d_sinks[0]
         own = self.d_sinks.new_empty(self.d_sinks.size(1))
@@ -494,14 +540,14 @@ class HeadGroupGradients:
             return self._dkv[slot], True
         return self._dkv[slot], False
 
-    def weights(self, g: HeadGroupAttentionGrads, stream: WeightBroadcast) -> None:
+    def weights(self, g: StageGrads) -> None:
         own = None
         if g.own_keys is not None:  # the stage before it has its dK/dV back: its buffer is free
             own = self._dkv[(g.s - 1) % 2]
             if own is None:  # one stage: there was none before it
                 own = torch.empty_like(self._dkv[g.s % 2])
             g.own_keys(own)
-        dk, dv = g.dkv.wait() if self.args.kv_group.size() > 1 else (g.dkv[:, 0], g.dkv[:, 1])
+        dk, dv = g.dkv.wait()
         if own is not None:
             first, second = self._own_rows(own.size(0))
             c = first.stop - first.start
@@ -521,5 +567,6 @@ class HeadGroupGradients:
             gemm_t(d_mixed2d, self.x2d, out=views[0])
             if self.args.has_bias:
                 torch.sum(d_mixed2d, dim=0, dtype=torch.float32, out=views[1])
-            stream.release(r)
-            stream.reduce(r, g.flats[j])
+            self.stream.release(r)
+            self.stream.reduce(r, g.flats[j])
+            self.stream.wait_reduces(keep=1)  # the one before: each travels beside the next head group's GEMMs

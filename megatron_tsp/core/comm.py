@@ -2,10 +2,11 @@
 convention every count in the project follows.
 
 Each function calls ``torch.distributed`` on an explicit group (group-local ranks in, global
-ranks resolved here). An asynchronous call is registered with the schedule's
+ranks resolved here). An asynchronous call is registered with the schedule's transport,
 :class:`InFlight`, which waits for whatever is still in flight when the schedule stops on an
 error: a buffer must outlive its transfer, and a collective library must not be left with
-work on freed memory.
+work on freed memory. Without overlap the transport is :class:`Blocking`, on which a
+transfer completes where it is posted.
 
 What a count means (:func:`traffic`) is the *logical* traffic of the primitive seen from one
 rank, the quantity of docs/design.md section 8, independent of how the backend routes it;
@@ -31,7 +32,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import List, Optional, Sequence, Tuple, Type, Union
 
 import torch
 import torch.distributed as dist
@@ -74,6 +75,25 @@ def observe(observer):
     return previous
 
 
+# every transfer waited for, by any schedule, weakly (a process group's work may hold its
+# tensors: gloo's do): one schedule may post a transfer for the next (core/prefetch.py) and
+# both wait for it, and gloo's point-to-point works never return from a second wait
+_waited: weakref.WeakSet = weakref.WeakSet()
+
+
+def _wait_once(work: dist.Work) -> None:
+    if work not in _waited:
+        work.wait()
+        _waited.add(work)
+
+
+def finish(handle: Handle) -> None:
+    """Wait for ``handle`` outside a schedule (a transfer posted for a module that did not
+    take it), unless a schedule waited for it already."""
+    for work in _works(handle):
+        _wait_once(work)
+
+
 class InFlight:
     """The asynchronous transfers of one schedule (one layer's forward or backward).
 
@@ -83,8 +103,8 @@ class InFlight:
 
     def __init__(self) -> None:
         self._handles: List[dist.Work] = []
-        # finished works, weakly: a process group's work may hold its tensors (gloo's do), and a
-        # schedule that lets a buffer go must not keep it alive until the schedule ends
+        # this schedule's finished works, weakly: a schedule that lets a buffer go must not
+        # keep it alive until the schedule ends
         self._done: weakref.WeakSet = weakref.WeakSet()
 
     def add(self, handle: Handle) -> Handle:
@@ -99,11 +119,11 @@ class InFlight:
         schedule never started is an error, not a read before arrival)."""
         for work in _works(handle):
             if work in self._handles:
-                if _observer is None:
-                    work.wait()
+                if _observer is None or work in _waited:
+                    _wait_once(work)
                 else:
                     start = time.perf_counter()
-                    work.wait()
+                    _wait_once(work)
                     _observer.waited(work, time.perf_counter() - start)
                 self._handles.remove(work)
                 self._done.add(work)
@@ -112,9 +132,10 @@ class InFlight:
 
     def hand_over(self, handle: Handle) -> None:
         """Stop tracking ``handle`` without waiting: another schedule adopts it (its buffers
-        live on with whoever reads them)."""
+        live on with whoever reads them). One already waited for needs nothing."""
         for work in _works(handle):
-            self._handles.remove(work)
+            if work not in self._done:
+                self._handles.remove(work)
 
     def __enter__(self) -> "InFlight":
         return self
@@ -123,10 +144,28 @@ class InFlight:
         pending, self._handles = self._handles, []
         for work in pending:
             try:
-                work.wait()
+                _wait_once(work)
             except Exception:  # noqa: BLE001 - the schedule's own error is the one to report
                 if exc_type is None:
                     raise
+
+
+class Blocking(InFlight):
+    """The transport without overlap (``overlap_comm=False``, mode ``tsp-no-overlap``): every
+    transfer completes where it is posted, so the schedule's waits find it done and nothing
+    travels while anything computes. The schedules run the same steps on either transport,
+    so that tsp-no-overlap differs from tsp by what the overlap hides, and by nothing else."""
+
+    def add(self, handle: Handle) -> Handle:
+        super().add(handle)
+        self.wait(handle)
+        return handle
+
+
+def transport(overlap: bool) -> Type[InFlight]:
+    """The transport a layer's schedules run on: :class:`InFlight`, whose transfers travel
+    from their post to their wait, or :class:`Blocking`."""
+    return InFlight if overlap else Blocking
 
 
 def _works(handle: Handle) -> List[dist.Work]:

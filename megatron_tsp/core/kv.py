@@ -46,20 +46,24 @@ class GatherKV:
     """Start ``K, V = all_gather(k, v)`` into the zigzag layout, every rank's first chunks
     first (what this rank's first query chunk attends to: :meth:`wait_first`), then their
     second chunks; :meth:`wait` returns both, ``[2Dc, b, g, d]`` views of one buffer.
-    ``local``: this rank's :func:`send_buffer`."""
+    ``local``: this rank's :func:`send_buffer`; on a group of one rank it is the result, and
+    nothing travels."""
 
     def __init__(self, local: torch.Tensor, group, inflight: comm.InFlight):
+        self.inflight = inflight
+        self._local = local  # alive until the collectives have read it
+        if group.size() == 1:
+            self.full, self.first, self.second = local, None, None
+            return
         d, c = group.size(), local.size(0) // 2
         self.full = local.new_empty((2 * d * c,) + tuple(local.shape[1:]))
-        self.inflight = inflight
         firsts, seconds = _halves(self.full, d, c)
         self.first = comm.all_gather(firsts, local[:c], group, inflight)
         self.second = comm.all_gather(seconds, local[c:], group, inflight)
-        self._local = local  # alive until the collectives have read it
 
     def works(self):
-        """The two all-gathers' works."""
-        return [self.first, self.second]
+        """The two all-gathers' works (none on one rank)."""
+        return [work for work in (self.first, self.second) if work is not None]
 
     def adopt(self, inflight: comm.InFlight) -> None:
         """Be waited for by ``inflight`` from now on (a gather another schedule posted and
@@ -75,7 +79,7 @@ class GatherKV:
 
     def wait(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """K and V (views): the gathered buffer lives as long as they do, not as this object."""
-        self.inflight.wait([self.first, self.second])
+        self.inflight.wait(self.works())
         full, self.full, self._local = self.full, None, None
         return full[:, 0], full[:, 1]
 
@@ -91,21 +95,23 @@ class ScatterKVGrads:
     halves posted as they are final: :meth:`post_second_halves` (slots 0..D-1, every rank's
     second chunk: final once the query chunk that attends to them has run its backward) and
     :meth:`post_first_halves`; :meth:`wait` returns this rank's ``[2c, b, g, d]`` (its own
-    order), summed over ranks."""
+    order), summed over ranks: on a group of one rank the buffer itself, and nothing travels."""
 
     def __init__(self, full: torch.Tensor, group, inflight: comm.InFlight):
         self.d, self.c = group.size(), full.size(0) // (2 * group.size())
         self.full, self.group, self.inflight = full, group, inflight
-        self.local = full.new_empty((2 * self.c,) + tuple(full.shape[1:]))
+        self.local = full if self.d == 1 else full.new_empty((2 * self.c,) + tuple(full.shape[1:]))
         self.handles = []
 
     def post_second_halves(self) -> None:
-        seconds = _halves(self.full, self.d, self.c)[1]
-        self.handles.append(comm.reduce_scatter(self.local[self.c:], seconds, self.group, self.inflight))
+        if self.d > 1:
+            seconds = _halves(self.full, self.d, self.c)[1]
+            self.handles.append(comm.reduce_scatter(self.local[self.c:], seconds, self.group, self.inflight))
 
     def post_first_halves(self) -> None:
-        firsts = _halves(self.full, self.d, self.c)[0]
-        self.handles.append(comm.reduce_scatter(self.local[:self.c], firsts, self.group, self.inflight))
+        if self.d > 1:
+            firsts = _halves(self.full, self.d, self.c)[0]
+            self.handles.append(comm.reduce_scatter(self.local[:self.c], firsts, self.group, self.inflight))
 
     def wait(self) -> Tuple[torch.Tensor, torch.Tensor]:
         self.inflight.wait(self.handles)

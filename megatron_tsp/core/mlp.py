@@ -35,7 +35,7 @@ weight traffic that does not grow with S. Without sequence parallelism each rank
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple, Type
 
 import torch
 import torch.distributed as dist
@@ -62,8 +62,9 @@ class TSPMLP(MLP):
     """Drop-in for megatron's ``MLP`` under TSP, or as the ring MLP of a TP model (same
     parameters, init and checkpoints; :func:`resolve_ring_groups` says which).
 
-    ``overlap_comm``: the next shard travels while this one computes. ``chain``: the model's
-    :class:`~megatron_tsp.core.prefetch.LayerChain` (the spec passes one).
+    ``overlap_comm``: the next shard travels while this one computes (else every transfer
+    completes where it is posted: :class:`~megatron_tsp.core.comm.Blocking`). ``chain``: the
+    model's :class:`~megatron_tsp.core.prefetch.LayerChain` (the spec passes one).
     """
 
     def __init__(
@@ -106,14 +107,14 @@ class TSPMLP(MLP):
         """This rank's shard, in the order it travels: W1, (b1), W2."""
         return linear_pair_shard(self.linear_fc1, self.linear_fc2)
 
-    def post_first_transfer(self, after_own_forward: bool = False):
-        """Post this layer's first ring exchange (own shard out, the neighbour's in): :mod:`prefetch`.
-        ``after_own_forward``: for the backward that follows this layer's forward at once,
-        which keeps the shard it ended with; with D = 2 that is the backward's first, and
-        nothing is posted (None)."""
+    def post_first_transfer(self, inflight: comm.InFlight, after_own_forward: bool = False):
+        """Post this layer's first ring exchange (own shard out, the neighbour's in) on the
+        poster's transport ``inflight``: :mod:`prefetch`. ``after_own_forward``: for the
+        backward that follows this layer's forward at once, which keeps the shard it ended
+        with; with D = 2 that is the backward's first, and nothing is posted (None)."""
         if after_own_forward and self.weight_group.size() == 2:
             return None
-        return WeightRing.post(self.shard_tensors(), self.weight_group)
+        return WeightRing.post(self.shard_tensors(), self.weight_group, inflight=inflight)
 
     def activation(self, h: torch.Tensor) -> torch.Tensor:
         """megatron's unfused MLP activation (mlp.py, MLP.forward), on one shard."""
@@ -154,7 +155,8 @@ class TSPMLP(MLP):
         if per_token_scale is not None:
             raise ValueError(_NOT_AN_EXPERT)
         args = MLPScheduleArgs(self.weight_group, self.activation, self.config.hidden_size,
-                               has_bias=self.linear_fc1.bias is not None, overlap=self.overlap_comm,
+                               has_bias=self.linear_fc1.bias is not None,
+                               transport=comm.transport(self.overlap_comm),
                                chain=self.chain, module=self, activation_grad=self.activation_grad(),
                                backward_follows=torch.is_grad_enabled()
                                or self.config.recompute_granularity == "full")
@@ -171,15 +173,15 @@ class TSPMLP(MLP):
 class MLPScheduleArgs:
     """The arguments of :class:`RotateMLPShards`: the group the shards rotate over, the
     elementwise activation, the output width, whether fc1 has a bias (a shard is then W1, b1,
-    W2), the overlap switch, the model's layer chain and the module (:mod:`prefetch`), and
-    the activation's gradient from its input alone where backward keeps its output
-    (:meth:`TSPMLP.activation_grad`)."""
+    W2), the transport (:func:`comm.transport`), the model's layer chain and the module
+    (:mod:`prefetch`), and the activation's gradient from its input alone where backward
+    keeps its output (:meth:`TSPMLP.activation_grad`)."""
 
     weight_group: dist.ProcessGroup
     activation: Callable[[torch.Tensor], torch.Tensor]
     hidden_size: int
     has_bias: bool
-    overlap: bool = True
+    transport: Type[comm.InFlight] = comm.InFlight
     chain: Optional[LayerChain] = None
     module: object = None
     activation_grad: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None
@@ -188,9 +190,9 @@ class MLPScheduleArgs:
     def first_transfer(self):
         return self.chain.take(self.module) if self.chain is not None else None
 
-    def post_next(self, backward: bool, then_backward: bool = True) -> None:
+    def post_next(self, inflight: comm.InFlight, backward: bool, then_backward: bool = True) -> None:
         if self.chain is not None:
-            self.chain.post_next(self.module, backward, then_backward)
+            self.chain.post_next(self.module, inflight, backward, then_backward)
 
     def backward_follows_at_once(self, then_backward: bool) -> bool:
         """This forward's own backward runs next (:meth:`LayerChain.next_after`): the forward
@@ -199,18 +201,17 @@ class MLPScheduleArgs:
                 and self.chain.next_after(self.module, backward=False, then_backward=True) is self.module)
 
     def claim_backward_prefetch(self):
-        """What the attention before this MLP stashed for its backward (:mod:`prefetch`),
-        claimed always (so that nothing is held past this forward), used only with overlap."""
-        post = self.chain.claim(self.module) if self.chain is not None else None
-        return post if self.overlap else None
+        """What the attention before this MLP stashed for its backward (:mod:`prefetch`)."""
+        return self.chain.claim(self.module) if self.chain is not None else None
 
 
 class RotateMLPShards(torch.autograd.Function):
     """y_p = sum_j act(x_p W1_j^T + b1_j) W2_j^T over shards arriving on the ring, summed in
     fp32 inside the fc2 GEMMs and rounded once.
 
-    Each step t: post the ring exchange (this shard on, the next in; with ``overlap`` before
-    computing, else after), compute with shard j = (p - t) mod D, take the next shard.
+    Each step t: post the ring exchange (this shard on, the next in), compute with shard
+    j = (p - t) mod D, take the next shard (without overlap the exchange completed where it
+    was posted: :class:`~megatron_tsp.core.comm.Blocking`).
     Backward takes the steps in :meth:`WeightRing.steps` order, this rank's own shard last,
     so that the last gradient hop travels while the owner computes its own part; a
     backward that runs right after this forward takes the forward's last shard, kept in
@@ -232,15 +233,13 @@ class RotateMLPShards(torch.autograd.Function):
         hidden = [None] * d_size
         acts = [None] * d_size if args.activation_grad is not None else []
         then_backward = args.backward_follows and any(ctx.needs_input_grad)
-        with comm.InFlight() as inflight:
+        with args.transport() as inflight:
             ring = WeightRing(own, args.weight_group, inflight, first=args.first_transfer())
             for t in range(d_size):
                 shard = ring.shard()
                 ring.start(t)
-                if not args.overlap:
-                    ring.wait_all()
-                elif t == d_size - 1:
-                    args.post_next(backward=False, then_backward=then_backward)
+                if t == d_size - 1:
+                    args.post_next(inflight, backward=False, then_backward=then_backward)
                 h = F.linear(x, *shard[:-1])
                 a = args.activation(h)
                 y = gemm(a.reshape(-1, a.size(-1)), shard[-1].t(), out=y, accumulate=y is not None)
@@ -266,7 +265,7 @@ class RotateMLPShards(torch.autograd.Function):
         dy2d = dy.reshape(-1, dy.size(-1))
         x2d = x.reshape(-1, x.size(-1))
         dx = None
-        with comm.InFlight() as inflight:
+        with args.transport() as inflight:
             ring = WeightRing(own, args.weight_group, inflight, backward=True, first=args.first_transfer(),
                               last=ctx.last)
             ctx.last = None
@@ -283,10 +282,8 @@ class RotateMLPShards(torch.autograd.Function):
                     ring.advance()
                     shard = ring.shard()
                     ring.start(t)
-                if not args.overlap:
-                    ring.wait_all()
-                elif t == d_size - 1:  # the next module's first shard: during this and the own step
-                    args.post_next(backward=True)
+                if t == d_size - 1:  # the next module's first shard: during this and the own step
+                    args.post_next(inflight, backward=True)
                 j = ring.shard_index(t)
                 if acts:
                     a = acts[j]

@@ -6,10 +6,11 @@ Each TSP module of a model (attention and MLP, in layer order) registers with th
 transfer is the same whichever pass runs it: attention starts with the broadcasts of the
 shards its stream starts with (head groups 0..lookahead), the MLP ring with the exchange of
 its own shard for its neighbour's. So when a module reaches its last stage it posts that
-first transfer for the module that runs next, and the next module takes it instead of
-posting its own (:meth:`LayerChain.take`). A posted shard is the next module's parameters as
-they are when posted: reading them runs that module's forward pre-hooks, where megatron's
-``--overlap-param-gather`` waits for their all-gather
+first transfer for the module that runs next, on its own transport (so that without overlap
+it completes there: :class:`megatron_tsp.core.comm.Blocking`), and the next module takes it
+instead of posting its own (:meth:`LayerChain.take`). A posted shard is the next module's
+parameters as they are when posted: reading them runs that module's forward pre-hooks, where
+megatron's ``--overlap-param-gather`` waits for their all-gather
 (:func:`megatron_tsp.core.streaming.run_forward_pre_hooks`).
 
 Which module runs next is known from the pass and the recompute setting (the same on every
@@ -48,6 +49,8 @@ import weakref
 from typing import Callable, List, Optional
 
 import torch
+
+from megatron_tsp.core import comm
 
 
 class LayerChain:
@@ -107,16 +110,19 @@ class LayerChain:
         :mod:`megatron_tsp.core.vocab`); None: nothing."""
         self._at_forward_end = post
 
-    def post_next(self, module, backward: bool, then_backward: bool = True) -> None:
-        """During ``module``'s last stage: post the first transfer of the module after it."""
+    def post_next(self, module, inflight: comm.InFlight, backward: bool, then_backward: bool = True) -> None:
+        """During ``module``'s last stage: post the first transfer of the module after it with
+        ``module``'s transport ``inflight``, which hands it over to that module. A transfer
+        is a tuple whose last item is its works."""
         if not backward and self._at_forward_end is not None and self._index(module) == len(self._modules) - 1:
             post, self._at_forward_end = self._at_forward_end, None
             post()
         following = self.next_after(module, backward, then_backward)
         if following is not None and following.weight_group.size() > 1 and self._posted is None:
-            transfer = (following.post_first_transfer(after_own_forward=True) if following is module
-                        else following.post_first_transfer())
+            transfer = (following.post_first_transfer(inflight, after_own_forward=True) if following is module
+                        else following.post_first_transfer(inflight))
             if transfer is not None:
+                inflight.hand_over(transfer[-1])
                 self._posted = (weakref.ref(following), transfer)
 
     def stash(self, module, post) -> None:
@@ -147,6 +153,5 @@ class LayerChain:
         self._posted = None
         if target() is module:
             return transfer
-        for work in transfer[-1] if isinstance(transfer[-1], (list, tuple)) else [transfer[-1]]:
-            work.wait()
+        comm.finish(transfer[-1])
         return None

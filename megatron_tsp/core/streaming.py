@@ -12,7 +12,7 @@ ring-flash-attention's ``RingComm`` does:
 
 * :class:`WeightBroadcast` (attention; shard r from its owner r, all ranks together):
   ``start(r)``, ``wait(r)``, ``release(r)``; gradients: ``grad_buffer()``,
-  ``reduce(r, flat)``, ``own_grad()``;
+  ``reduce(r, flat)``, ``wait_reduces(keep)``, ``own_grad()``;
 * :class:`WeightRing` (MLP; at step t rank p holds shard ``(p - t) mod D``, in the order
   ``steps()``): ``start(t)`` (send the current shard to p+1, receive the next from p-1; in
   backward also the gradient accumulators), ``advance()``; backward also ``first()`` and
@@ -107,10 +107,11 @@ class WeightBroadcast:
     ``start(r)`` posts the broadcast of shard r into a fresh flat buffer (the owner sends its
     packed own tensors), ``wait(r)`` returns the shard (views of the buffer; the owner's own
     tensors) once it has arrived, ``release(r)`` lets its buffer go. Gradients: the caller
-    writes its fp32 partial gradient of shard r into ``grad_buffer()`` and ``reduce(r, flat)``
-    posts ``reduce(dst=r)``; at most two reduces are in flight, and ``own_grad()`` returns the
-    summed gradient of this rank's shard. ``first``: the broadcasts of the first shards
-    already posted (by the layer before: :mod:`prefetch`), ``({r: (buffer, work)}, works)``."""
+    writes its fp32 partial gradient of shard r into ``grad_buffer()``, ``reduce(r, flat)``
+    posts ``reduce(dst=r)``, ``wait_reduces(keep)`` waits for all but the ``keep`` newest, and
+    ``own_grad()`` for the rest, returning the summed gradient of this rank's shard.
+    ``first``: the broadcasts of the first shards already posted (by the layer before:
+    :mod:`prefetch`), ``({r: (buffer, work)}, works)``."""
 
     def __init__(self, own: Sequence[torch.Tensor], group: dist.ProcessGroup, inflight: comm.InFlight,
                  first: Optional[Tuple[Dict[int, Tuple[torch.Tensor, comm.Handle]], List[dist.Work]]] = None):
@@ -160,9 +161,10 @@ class WeightBroadcast:
             self._own_grad = flat
             return
         self._reducing.append((r, flat, comm.reduce(flat, r, self.group, self.inflight)))
-        self._drain(keep=1)
 
-    def _drain(self, keep: int) -> None:
+    def wait_reduces(self, keep: int) -> None:
+        """Wait for the reduces posted, oldest first, until ``keep`` are left in flight (each
+        holds its fp32 gradient buffer until then)."""
         while len(self._reducing) > keep:
             r, flat, work = self._reducing.pop(0)
             self.inflight.wait(work)
@@ -170,7 +172,7 @@ class WeightBroadcast:
                 self._own_grad = flat
 
     def own_grad(self) -> torch.Tensor:
-        self._drain(keep=0)
+        self.wait_reduces(keep=0)
         return self._own_grad
 
 
@@ -288,12 +290,6 @@ class WeightRing:
             self.current, self._incoming = incoming, None
         elif self._last is not None:
             self.current, self._last = self._last, None
-
-    def wait_all(self) -> None:
-        """Wait for everything posted (without overlap: the transfer, then the compute)."""
-        for pending in (self._incoming, self._acc_in):
-            if pending is not None:
-                self.inflight.wait(pending[1])
 
     def grad_buffer(self, t: int) -> Tuple[torch.Tensor, bool]:
         """(flat fp32 buffer of step t's shard gradient, whether to add into it rather than
