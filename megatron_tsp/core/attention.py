@@ -143,13 +143,14 @@ class TSPSelfAttention(SelfAttention):
         return torch.cat((apply_rope(head, cos, sin), rest), dim=-1, out=out)
 
     def split_heads(self, mixed: torch.Tensor, rope: Rope, local: Optional[torch.Tensor] = None):
-        """A head group's QKV projection -> q [s, b, a/D, d], k and v [s, b, g/D, d]
-        (megatron's interleaved layout, q/k norms, RoPE at the tokens' global positions).
+        """A stage's QKV projection, its G head groups' side by side ``[s, b, G * (a/D + 2g/D) d]``
+        -> q [s, b, G a/D, d], k and v [s, b, G g/D, d]: megatron's interleaved layout, whose
+        query groups side by side are again that layout, so that the stage takes its q/k norms
+        and RoPE (at the tokens' global positions) in one op each, not one per head group.
         With ``local`` (a K/V send buffer, outside autograd) k and v are written into it."""
-        groups = self.num_query_groups_per_partition
-        heads_per_group = self.num_attention_heads_per_partition // groups
+        heads_per_group = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
         d = self.hidden_size_per_attention_head
-        mixed = mixed.view(*mixed.shape[:2], groups, (heads_per_group + 2) * d)
+        mixed = mixed.view(*mixed.shape[:2], -1, (heads_per_group + 2) * d)
         query, key, value = torch.split(mixed, [heads_per_group * d, d, d], dim=3)
         query = query.reshape(*query.shape[:2], -1, d)
         if self.q_layernorm is not None:

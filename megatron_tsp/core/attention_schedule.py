@@ -80,7 +80,7 @@ import torch.nn.functional as F
 from megatron_tsp.core import comm
 from megatron_tsp.core.block_attention import apply_sink, attend_backward_into, attend_into, bhsd, sink_grad
 from megatron_tsp.core.block_geometry import rank_slots
-from megatron_tsp.core.gemm import gemm, gemm_t
+from megatron_tsp.core.gemm import gemm, gemm_t, linear_into
 from megatron_tsp.core.kv import GatherKV, ScatterKVGrads, grad_buffer, send_buffer
 from megatron_tsp.core.prefetch import LayerChain
 from megatron_tsp.core.streaming import WeightBroadcast, deliver_grads, unpack
@@ -142,15 +142,12 @@ class AttentionScheduleArgs:
     def stage_columns(self, s: int) -> slice:
         return self.columns(s * self.groups_per_call, self.groups_per_call)
 
-    def group_heads(self, j: int) -> Tuple[slice, slice]:
-        """The j-th head group of a stage: its query heads and its K/V heads there."""
-        queries = self.width // self.head_dim // self.tsp_group.size()
-        return slice(j * queries, (j + 1) * queries), slice(j * self.kv_heads, (j + 1) * self.kv_heads)
 
-
-def side_by_side(tensors: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
-    """The tensors concatenated along ``dim``; a lone one as it is (no copy)."""
-    return tensors[0] if len(tensors) == 1 else torch.cat(list(tensors), dim=dim)
+def group_columns(t: torch.Tensor, j: int, args: AttentionScheduleArgs) -> torch.Tensor:
+    """The j-th head group's columns of a stage's tensor whose last dimension holds its head
+    groups side by side (the QKV projection and its gradient, the gradient of O)."""
+    width = t.size(-1) // args.groups_per_call
+    return t[..., j * width:(j + 1) * width]
 
 
 def post_first_shards(own: Sequence[torch.Tensor], weight_group: dist.ProcessGroup, lookahead: int,
@@ -276,8 +273,8 @@ class ForwardStage(NamedTuple):
 
 class ForwardPass:
     """The forward's steps on a stage, and what they fill across stages: O (stage s in its
-    columns), the output projection's ``proj`` (each shard in its columns), per head group
-    the projection ``m_r``, per stage and query chunk the lse."""
+    columns), the output projection's ``proj`` (each shard in its columns), per stage its
+    head groups' projections side by side ``m_s``, per stage and query chunk the lse."""
 
     def __init__(self, args: AttentionScheduleArgs, x, stream: WeightBroadcast, inflight: comm.InFlight,
                  sinks: Optional[torch.Tensor]):
@@ -285,29 +282,31 @@ class ForwardPass:
         own, d_size = stream.own, args.tsp_group.size()
         self.out = x.new_empty(x.shape[:2] + (args.width,))
         self.proj = own[-1] if d_size == 1 else own[-1].new_empty(own[-1].size(0), args.width)
-        self.projections: List[Optional[torch.Tensor]] = [None] * d_size
+        self.projections: List[Optional[torch.Tensor]] = [None] * args.stages
         self.lses: List[torch.Tensor] = []
 
     def columns(self, s: int) -> torch.Tensor:
         return self.out[..., self.args.stage_columns(s)].view(self.out.shape[:2] + (-1, self.args.head_dim))
 
     def project(self, s: int) -> ForwardStage:
-        """Stage s's q, k, v from its shards (posting the shards ``lookahead`` stages on as
-        each is waited for, and letting each go once read); its K/V gather posted."""
-        args, local, queries = self.args, None, []
+        """Stage s's q, k, v: each head group's QKV GEMM into its columns of the stage's
+        projection as its shard arrives (posting the shards ``lookahead`` stages on as each is
+        waited for, and letting each go once read), then the stage's norms and RoPE at once,
+        K and V into the gather's send buffer; its K/V gather posted."""
+        args, mixed = self.args, None
         for j, r in enumerate(args.stage_groups(s)):
             self.stream.start(r + args.lookahead * args.groups_per_call)
             shard = self.stream.wait(r)
-            mixed = F.linear(self.x, *shard[:-1])
-            self.projections[r] = mixed
-            if local is None:
-                local = send_buffer(mixed.shape[:2] + (args.groups_per_call * args.kv_heads, args.head_dim), mixed)
-            query, _, _ = args.split_heads(mixed, args.rope, local[:, :, :, args.group_heads(j)[1]])
-            queries.append(query)
+            if mixed is None:
+                mixed = self.x.new_empty(self.x.shape[:2] + (args.groups_per_call * shard[0].size(0),))
+            linear_into(self.x, shard[0], shard[1] if args.has_bias else None, group_columns(mixed, j, args))
             if args.tsp_group.size() > 1:
                 self.proj[:, args.columns(r)].copy_(shard[-1])
             self.stream.release(r)
-        return ForwardStage(s, side_by_side(queries, 2), GatherKV(local, args.tsp_group, self.inflight), local)
+        self.projections[s] = mixed
+        local = send_buffer(mixed.shape[:2] + (args.groups_per_call * args.kv_heads, args.head_dim), mixed)
+        query, _, _ = args.split_heads(mixed, args.rope, local)
+        return ForwardStage(s, query, GatherKV(local, args.tsp_group, self.inflight), local)
 
     def attend_own(self, stage: Optional[ForwardStage]) -> Optional[ForwardStage]:
         """The stage's blocks against this rank's own keys, which need nothing to arrive."""
@@ -350,8 +349,8 @@ class ForwardPass:
 
 class Saved(NamedTuple):
     """What the forward keeps for backward (by ``save_for_backward``, so that saved-tensor
-    hooks see it): the input, the concatenated attention output O, per head group r the
-    projection ``m_r``, per stage and query chunk the log-sum-exp (stage-major), the
+    hooks see it): the input, the concatenated attention output O, per stage its head groups'
+    projections ``m_s``, per stage and query chunk the log-sum-exp (stage-major), the
     RoPE tables of this rank's tokens (empty without RoPE), and every head group's sink
     logits ``[D, a/D]`` (empty with megatron's vanilla softmax; O and the lse are then those
     of the softmax with the sink, :func:`apply_sink`)."""
@@ -379,35 +378,25 @@ class Saved(NamedTuple):
 
 
 class StageInputs(NamedTuple):
-    """Backward, one stage: per head group of it, q, k, v recomputed from the saved
-    projection ``mixed`` (the local graph of norms and RoPE, kept for autograd); the
-    stage's queries side by side, and its K/V being gathered."""
+    """Backward, one stage: q, k, v recomputed from its saved projection ``mixed`` (the
+    local graph of norms and RoPE, kept for autograd), and its K/V being gathered."""
 
-    mixed: List[torch.Tensor]
-    query: List[torch.Tensor]
-    key: List[torch.Tensor]
-    value: List[torch.Tensor]
-    queries: torch.Tensor
+    mixed: torch.Tensor
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
     kv: GatherKV
 
 
 def regather_inputs(args: AttentionScheduleArgs, saved: Saved, s: int, inflight: comm.InFlight) -> StageInputs:
-    """Stage s's backward inputs: q, k, v from its saved projections, K/V gather posted."""
-    mixed, query, key, value = [], [], [], []
-    local = None
-    for j, r in enumerate(args.stage_groups(s)):
-        m = saved.projections[r].detach().requires_grad_()
-        with torch.enable_grad():
-            q, k, v = args.split_heads(m, args.rope)
-        if local is None:
-            local = send_buffer(k.shape[:2] + (args.groups_per_call * k.size(2), k.size(3)), k)
-        heads = args.group_heads(j)[1]
-        local[:, 0, :, heads].copy_(k.detach())
-        local[:, 1, :, heads].copy_(v.detach())
-        for parts, t in zip((mixed, query, key, value), (m, q, k, v)):
-            parts.append(t)
-    kv = GatherKV(local, args.tsp_group, inflight)
-    return StageInputs(mixed, query, key, value, side_by_side([q.detach() for q in query], 2), kv)
+    """Stage s's backward inputs: q, k, v from its saved projection, K/V gather posted."""
+    m = saved.projections[s].detach().requires_grad_()
+    with torch.enable_grad():
+        q, k, v = args.split_heads(m, args.rope)
+    local = send_buffer(k.shape, k)
+    local[:, 0].copy_(k.detach())
+    local[:, 1].copy_(v.detach())
+    return StageInputs(m, q, k, v, GatherKV(local, args.tsp_group, inflight))
 
 
 def post_backward_regathers(ctx, inflight: comm.InFlight) -> List[dist.Work]:
@@ -473,11 +462,14 @@ class BackwardPass:
         for r in groups:
             flats.append(self.stream.grad_buffer())
             gemm_t(self.dy2d, self.out2d[:, args.columns(r)], out=unpack(flats[-1], self.saved.own)[-1])  # dWproj_r
-        d_out = side_by_side([self.dy @ shard[-1] for shard in shards], 2).view(self.dy.shape[:2] + (-1, args.head_dim))
+        d_out = self.dy.new_empty(self.dy.shape[:2] + (len(shards) * shards[0][-1].size(1),))
+        for j, shard in enumerate(shards):
+            torch.mm(self.dy2d, shard[-1], out=group_columns(d_out, j, args).view(self.dy2d.size(0), -1))
+        d_out = d_out.view(self.dy.shape[:2] + (-1, args.head_dim))
         out = self.saved.out[..., args.stage_columns(s)].view(d_out.shape)
         keys, values = inputs.kv.wait()
         dkv, fresh = self._dkv_buffer(s, keys)
-        query = inputs.queries
+        query = inputs.query.detach()
         dq = torch.empty_like(query)
         scatter = ScatterKVGrads(dkv, args.tsp_group, self.inflight)
         n = len(args.chunks)
@@ -553,15 +545,13 @@ class BackwardPass:
             c = first.stop - first.start
             g.dkv.local[:c] += own[first]
             g.dkv.local[c:] += own[second]
+        key, value = g.inputs.key, g.inputs.value
+        d_mixed, *d_norms = torch.autograd.grad((g.inputs.query, key, value), (g.inputs.mixed, *self.saved.replicated),
+                                                (g.dq, dk.to(key.dtype), dv.to(value.dtype)))
+        for acc, d in zip(self.d_replicated, d_norms):
+            acc += d
         for j, r in enumerate(self.args.stage_groups(g.s)):
-            queries, kv_heads = self.args.group_heads(j)
-            key, value = g.inputs.key[j], g.inputs.value[j]
-            d_mixed, *d_norms = torch.autograd.grad(
-                (g.inputs.query[j], key, value), (g.inputs.mixed[j], *self.saved.replicated),
-                (g.dq[:, :, queries], dk[:, :, kv_heads].to(key.dtype), dv[:, :, kv_heads].to(value.dtype)))
-            for acc, d in zip(self.d_replicated, d_norms):
-                acc += d
-            d_mixed2d = d_mixed.reshape(-1, d_mixed.size(-1))
+            d_mixed2d = group_columns(d_mixed, j, self.args).reshape(-1, d_mixed.size(-1) // self.args.groups_per_call)
             self.dx = gemm(d_mixed2d, g.shards[j][0], out=self.dx, accumulate=self.dx is not None)
             views = unpack(g.flats[j], self.saved.own)
             gemm_t(d_mixed2d, self.x2d, out=views[0])

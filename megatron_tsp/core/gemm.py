@@ -137,3 +137,14 @@ def gemm_t(dy: torch.Tensor, x: torch.Tensor, out: Optional[torch.Tensor] = None
     """``dy^T x`` in fp32: a weight gradient from the output gradient and the input, rows
     being tokens (``[n, out]`` and ``[n, in]`` -> ``[out, in]``)."""
     return gemm(dy.t(), x, out, accumulate)
+
+
+def linear_into(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Tensor) -> None:
+    """``out = x weight^T (+ bias)`` as ``F.linear`` computes it, written into ``out``: a slice
+    of a wider tensor (a head group's columns of its stage's projection), whose rows a GEMM
+    writes with their stride, so that the head groups of a stage need no concatenation."""
+    x2d, out2d = x.reshape(-1, x.size(-1)), out.view(-1, out.size(-1))
+    if bias is None:
+        torch.mm(x2d, weight.t(), out=out2d)
+    else:
+        torch.addmm(bias, x2d, weight.t(), out=out2d)
