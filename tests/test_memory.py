@@ -94,7 +94,8 @@ def test_memory_counts_each_layers_bytes_and_kernel_launches_op_by_op(tmp_path):
     """``megatron-tsp memory --bytes-by-op --launches``: what one layer adds on the slowest rank,
     op by op. TP+SP's layer launches its 4 GEMMs forward and 8 backward (the default config
     recomputes nothing) and one attention kernel each way; TSP's several head groups call
-    the kernels more often; each table adds up to its total."""
+    the kernels more often; each table adds up to its total, the optimizer step's per-tensor
+    launches counted apart."""
     import json
     import subprocess
     import sys
@@ -112,6 +113,9 @@ def test_memory_counts_each_layers_bytes_and_kernel_launches_op_by_op(tmp_path):
                                                   if "/_scaled_dot_product" in op or "/_flash" in op
                                                   or "/_efficient" in op or "/_cudnn" in op)
         assert r["collective_calls"] > 0 and r["total_gb"] > 0
+        assert not any(op.startswith("optimizer/") for op in r["launches_by_op"])  # a GPU's Adam: not per tensor
+    # the optimizer's per-tensor launches, apart: the same parameters per layer in both modes
+    assert layers["tsp"]["optimizer_launches_per_tensor"] == layers["tp-sp"]["optimizer_launches_per_tensor"] > 0
     assert layers["tp-sp"]["launches_by_op"]["mm"] == 12 and layers["tp-sp"]["attention_kernel_calls"] == 2
     assert layers["tsp"]["attention_kernel_calls"] > layers["tp-sp"]["attention_kernel_calls"]
 

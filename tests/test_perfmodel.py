@@ -89,3 +89,46 @@ def test_a_calibrated_link_prices_each_primitive_at_its_own_bandwidth():
     hw = dataclasses.replace(HW, links={"slow": link, "flat": dict(link, by_primitive_gbs=None)})
     assert abs(perfmodel.step_time(total, hw.at_link("slow"), "tp-sp", "no_overlap", 8)["step_s"] - (2 + 8)) < 1e-9
     assert abs(perfmodel.step_time(total, hw.at_link("flat"), "tp-sp", "no_overlap", 8)["step_s"] - (2 + 2)) < 1e-9
+
+
+RESULTS = os.path.join(ROOT, "bench", "results")
+
+
+def _results(name):
+    import json
+
+    with open(os.path.join(RESULTS, name)) as f:
+        return json.load(f)
+
+
+def test_launch_prices_are_the_h200s_and_reproduce_its_measured_compute_ratios():
+    """The launch prices in h200.yaml are what :func:`perfmodel.launch_prices` finds in the
+    committed H200 files, and with them the model gives each measured TSP/TP+SP compute
+    ratio within 10% from the launches, calls, FLOPs and bytes of the code that ran
+    (launch-counts-H200-measured.json, scripts/count_launches_at_commit.py): 1.087 at 128K
+    with full recompute, 1.092 without, 4.47 at 8K, where both modes are host-bound. Without
+    the prices the model misses the 8K ratio by far (it saw only the memory-bound bytes)."""
+    import dataclasses
+
+    counts = _results("launch-counts-H200-measured.json")
+    h200 = perfmodel.load_hardware(os.path.join(ROOT, "configs", "hardware", "h200.yaml"))
+    host_bound = "gpu-check-H200-2layers-auto-8k.json"
+    found = perfmodel.launch_prices(_results("gpu-check-H200-profile-2layers.json"), _results(host_bound),
+                                    {m: c["launches"] for m, c in counts["runs"][host_bound]["modes"].items()})
+    for key in perfmodel.LAUNCH_PRICES:
+        assert getattr(h200, key) == round(found[key], 1), key
+    unpriced = dataclasses.replace(h200, **dict.fromkeys(perfmodel.LAUNCH_PRICES, 0.0))
+    ratios = {}
+    for run, entry in counts["runs"].items():
+        measured = _results(run)
+        assert measured["setup"]["commit"].startswith(entry["commit"])  # the counts are of the code that ran
+        for hw in (h200, unpriced):
+            t = {m: perfmodel.step_time(dict(c, comm={}), hw, m, "no_overlap", world_size=1)["compute_s"]
+                 for m, c in entry["modes"].items()}
+            ratios[run, hw.host_us_per_launch > 0] = t["tsp"] / t["tp-sp"], measured["tsp_vs_tp_sp_compute"]
+    assert {run for run, _ in ratios} == {host_bound, "gpu-check-H200.json", "gpu-check-H200-norecompute.json"}
+    for (run, priced), (model, measured) in ratios.items():
+        if priced:
+            assert abs(model / measured - 1) <= 0.10, (run, model, measured)
+    model, measured = ratios[host_bound, False]
+    assert model < measured / 2

@@ -41,7 +41,7 @@ from megatron_tsp.device import CPU, Device
 from megatron_tsp.env import run_record, shown_path
 from megatron_tsp.measure import counts, figures
 from megatron_tsp.measure.distributed import fake_world
-from megatron_tsp.measure.tracker import CATEGORIES, GIB, SavedTensors, StorageTracker
+from megatron_tsp.measure.tracker import CATEGORIES, GIB, OPTIMIZER, SavedTensors, StorageTracker, without_optimizer
 from megatron_tsp.run import config as cfg
 from megatron_tsp.run import step
 from megatron_tsp.run.build import build, initialize
@@ -311,6 +311,13 @@ def _step(args, mode: Mode, tracker, attention_backend, device: Device, fake: bo
         by_op_before = dict(tracker.memory_bytes_by_op)
         launches_before, kernel_calls_before = dict(tracker.launches_by_op), tracker.attention_kernel_calls
         tracker.by_phase = {}
+        optimizer_step = optimizer.step
+
+        def counted_apart():  # a GPU's multi-tensor Adam launches a few kernels, not these (tracker.py)
+            with tracker.section(OPTIMIZER):
+                return optimizer_step()
+
+        optimizer.step = counted_apart
         with saved, counts.count_collectives(on_output=receive) as records:
             result = step.train_step(model, optimizer, [batch], 1, args.seq_length, args.micro_batch_size,
                                      batch_transform=mode.batch_transform(args))
@@ -397,7 +404,8 @@ def by_op_per_layer(values: Dict, mode: str, world_size: Optional[int] = None, c
                     fused_norm: bool = True) -> Dict:
     """What one layer adds to a step, op by op (the difference of the :func:`planned_layers`
     plans, per layer) on the slowest rank: memory-bound bytes (``total_gb``, ``by_op_gb``,
-    largest first) and kernel launches (``launches``, ``launches_by_op``, most first;
+    largest first) and kernel launches (``launches``, ``launches_by_op``, most first: a GPU's,
+    the optimizer step's per-tensor ones apart, ``optimizer_launches_per_tensor``: tracker.py;
     ``attention_kernel_calls``; ``collective_calls``: the collectives and point-to-point
     transfers a layer adds, counted apart: :mod:`~megatron_tsp.measure.tracker`)."""
     plans = first_and_last_rank_plans(values, mode, world_size, cp, fused_norm)
@@ -406,12 +414,14 @@ def by_op_per_layer(values: Dict, mode: str, world_size: Optional[int] = None, c
     fewer, more = plans[rank]
     diff = _per_layer(fewer["memory_bytes_by_op"], more["memory_bytes_by_op"], high - low)
     launches = _per_layer(fewer["launches_by_op"], more["launches_by_op"], high - low)
+    device_launches = without_optimizer(launches)
     calls = [sum(e["calls"] for phases in p["comm"].values() for prims in phases.values() for e in prims.values())
              for p in (fewer, more)]
     return {"rank": rank, "total_gb": sum(diff.values()) / 1e9,
             "by_op_gb": {op: b / 1e9 for op, b in sorted(diff.items(), key=lambda kv: -kv[1]) if abs(b) >= 1e6},
-            "launches": sum(launches.values()),
-            "launches_by_op": {op: n for op, n in sorted(launches.items(), key=lambda kv: (-kv[1], kv[0])) if n},
+            "launches": sum(device_launches.values()),
+            "launches_by_op": {op: n for op, n in sorted(device_launches.items(), key=lambda kv: (-kv[1], kv[0])) if n},
+            "optimizer_launches_per_tensor": sum(launches.values()) - sum(device_launches.values()),
             "attention_kernel_calls": (more["attention_kernel_calls"] - fewer["attention_kernel_calls"]) / (high - low),
             "collective_calls": (calls[1] - calls[0]) / (high - low)}
 
@@ -434,7 +444,8 @@ def launches_table(result: Dict, rows: int = 20) -> str:
         r = result["modes"][mode]["by_op"]
         lines.append(f"{mode} (rank {r['rank']}): {r['launches']:.0f} launches per layer, of which "
                      f"{r['attention_kernel_calls']:.0f} attention kernel calls; {r['collective_calls']:.0f} "
-                     "collective calls besides")
+                     f"collective calls besides; apart, the optimizer step's "
+                     f"{r['optimizer_launches_per_tensor']:.0f} per tensor (a GPU's multi-tensor Adam: a few a step)")
         lines += [f"  {op:48s} {n:8.0f}" for op, n in list(r["launches_by_op"].items())[:rows]]
     return "\n".join(lines)
 

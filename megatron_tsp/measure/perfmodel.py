@@ -8,11 +8,21 @@ extrapolated linearly in the layer count (exact: layers are identical;
 
 Time of one micro-batch step on one rank:
 
-    compute  = matmul FLOPs / (peak x matmul_efficiency) + attention FLOPs / (peak x attention_efficiency)
+    device   = matmul FLOPs / (peak x matmul_efficiency) + GEMM calls x matmul_call_us
+               + attention FLOPs / (peak x attention_efficiency) + attention calls x attention_call_us
                + memory-bound bytes / hbm bandwidth
+    host     = kernel launches x host_us_per_launch
+    compute  = max(device, host)                       (per phase: the host runs ahead of the GPU)
     comm[g]  = sum over primitives p of bytes[g, p] / bandwidth(g, p) + calls[g] x latency(g)
                (intra- or inter-node link; a calibrated link has a bandwidth per primitive)
     step     = max(compute, hidden) + exposed
+
+A call's fixed cost is its kernel's efficiency by size: a GEMM of F FLOPs runs at
+``matmul_efficiency x F / (F + F_half)``, F_half = matmul_call_us x peak x matmul_efficiency
+(attention likewise), so that many small calls cost more than one large one of the same
+FLOPs. The host cost is everything the host spends per launched kernel (Python, autograd,
+the dispatcher, the launch): a step of many small kernels is host-bound. The three are
+calibrated from the H200's measurements (:func:`launch_prices`; docs/measuring.md).
 
 where ``hidden`` is the traffic a mode overlaps with compute in the scenario and ``exposed``
 the rest (the data-parallel gradient reduce hides only with ``--overlap-grad-reduce``).
@@ -42,12 +52,13 @@ import copy
 import dataclasses
 import json
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from megatron_tsp.core.head_groups import PLANNED_SMS
 from megatron_tsp.core.sizes import DEFAULT_CP
 from megatron_tsp.env import run_record, shown_path
 from megatron_tsp.measure import memory
+from megatron_tsp.measure.tracker import PHASE_COUNTS, without_optimizer
 from megatron_tsp.run import config as cfg
 from megatron_tsp.run import flops as flops_formula
 from megatron_tsp.run.data import padded_vocab
@@ -89,6 +100,10 @@ class Hardware:
     # Streaming multiprocessors (NVIDIA) or compute units (AMD): how many thread blocks fill
     # the GPU, which sets TSP's head groups per attention call (core.head_groups.head_groups_per_call)
     multiprocessors: int = PLANNED_SMS
+    # Launch prices (module docstring; 0: not calibrated, the GPU computes at its efficiencies)
+    host_us_per_launch: float = 0.0
+    matmul_call_us: float = 0.0
+    attention_call_us: float = 0.0
 
     def at_link(self, name: str) -> "Hardware":
         """This profile with every link at the calibrated ``name`` (a rate-limited CPU link)."""
@@ -101,7 +116,10 @@ class Hardware:
                                    primitive_gbs=link.get("by_primitive_gbs"))
 
 
-_OPTIONAL_KEYS = ("links", "measured", "primitive_gbs", "te_tp_overlap_hidden", "multiprocessors")
+LAUNCH_PRICES = ("host_us_per_launch", "matmul_call_us", "attention_call_us")
+# the attention kernels' ops in torch's profiler (forward and backward)
+ATTENTION_KERNEL_OPS = ("aten::_flash_attention", "aten::_cudnn_attention", "aten::_efficient_attention")
+_OPTIONAL_KEYS = ("links", "measured", "primitive_gbs", "te_tp_overlap_hidden", "multiprocessors") + LAUNCH_PRICES
 _FRACTIONS = ("matmul_efficiency", "attention_efficiency", "te_tp_overlap_hidden")
 _HARDWARE_KEYS = tuple(k for k in Hardware.__dataclass_fields__ if k not in _OPTIONAL_KEYS)
 
@@ -125,11 +143,15 @@ def load_hardware(path: str) -> Hardware:
                 raise cfg.ConfigError(f"{path}: '{key}' is the GPU's count of SMs or CUs, a positive whole number "
                                       f"(got {value!r})")
             continue
-        if key in _OPTIONAL_KEYS and key not in _FRACTIONS:
+        if key in _OPTIONAL_KEYS and key not in _FRACTIONS + LAUNCH_PRICES:
             if not isinstance(value, dict):
                 raise cfg.ConfigError(f"{path}: '{key}' must be a mapping (megatron-tsp calibrate writes it)")
             continue
         number = not isinstance(value, bool) and isinstance(value, (int, float))
+        if key in LAUNCH_PRICES:  # 0 allowed: not calibrated
+            if not number or not 0 <= value < float("inf"):
+                raise cfg.ConfigError(f"{path}: '{key}' is microseconds, a number >= 0 (got {value!r})")
+            continue
         if key == "te_tp_overlap_hidden":  # 0 allowed: TransformerEngine hides nothing
             if not number or not 0 <= value <= 1:
                 raise cfg.ConfigError(f"{path}: '{key}' is a fraction in [0, 1] (got {value!r}; 0.7 means 70%)")
@@ -179,7 +201,7 @@ def _layer_counts(values: Dict, mode: str, world_size: Optional[int], cp: int, f
     plans = memory.first_and_last_rank_plans(values, mode, world_size, cp, fused_norm, multiprocessors)
     fewer, more = ({"flops": p["flops_per_rank"], "attention_flops": p["attention_flops_per_rank"],
                     "memory_bytes": p["memory_bytes_per_rank"], "by_phase": p["by_phase"], "comm": p["comm"],
-                    "launches": sum(p["launches_by_op"].values()),
+                    "launches": sum(without_optimizer(p["launches_by_op"]).values()),
                     "attention_kernel_calls": p["attention_kernel_calls"], "parallel": p["parallel"]}
                    for p in plans[memory.slowest_rank(plans)])
     for n, counts in enumerate((fewer, more)):
@@ -208,8 +230,7 @@ def step_time(total: Dict, hw: Hardware, mode: str, scenario: str, world_size: i
     of the baselines' tensor-parallel traffic (the rest is exposed; its ring attention hides a
     CP exchange behind attention)."""
     peak = hw.peak_tflops * 1e12
-    by_phase = total.get("by_phase") or {"step": {k: total.get(k, 0) for k in
-                                                  ("flops", "attention_flops", "memory_bytes")}}
+    by_phase = total.get("by_phase") or {"step": {k: total.get(k, 0) for k in PHASE_COUNTS}}
     multi_node = world_size > hw.gpus_per_node
     comm: Dict[str, Dict[str, float]] = {}  # group -> phase -> seconds
     for group, group_phases in total["comm"].items():
@@ -228,11 +249,15 @@ def step_time(total: Dict, hw: Hardware, mode: str, scenario: str, world_size: i
     the_mode = get_mode(mode)
     full = set(overlapped(mode, "no_tp_overlap" if scenario == "overlap" else scenario, overlap_grad_reduce))
     te = set(the_mode.hides_with_te) if scenario == "overlap" else set()
-    out = {"compute_s": 0.0, "memory_bound_s": 0.0, "step_s": 0.0}
+    out = {"compute_s": 0.0, "host_s": 0.0, "memory_bound_s": 0.0, "step_s": 0.0}
     for phase, counts in by_phase.items():
-        attention_s = counts["attention_flops"] / (peak * hw.attention_efficiency)
+        attention_s = counts["attention_flops"] / (peak * hw.attention_efficiency) \
+            + counts.get("attention_calls", 0) * hw.attention_call_us * 1e-6
         memory_s = counts["memory_bytes"] / (hw.hbm_gbs * 1e9)
-        compute = (counts["flops"] - counts["attention_flops"]) / (peak * hw.matmul_efficiency) + attention_s + memory_s
+        device = (counts["flops"] - counts["attention_flops"]) / (peak * hw.matmul_efficiency) \
+            + counts.get("gemm_calls", 0) * hw.matmul_call_us * 1e-6 + attention_s + memory_s
+        host = counts.get("launches", 0) * hw.host_us_per_launch * 1e-6
+        compute = max(device, host)
         hidden = exposed = behind = 0.0
         for group, seconds_by in comm.items():
             t = seconds_by.get(phase, 0.0)
@@ -248,6 +273,7 @@ def step_time(total: Dict, hw: Hardware, mode: str, scenario: str, world_size: i
         hidden += min(behind, attention_s)
         exposed += max(0.0, behind - attention_s)
         out["compute_s"] += compute
+        out["host_s"] += host
         out["memory_bound_s"] += memory_s
         out["step_s"] += max(compute, hidden) + exposed
     out["comm_s"] = {g: sum(by.values()) for g, by in comm.items()}
@@ -363,3 +389,25 @@ def table(result: Dict) -> str:
         lines.append(f"\n{mode} at least as fast as TP+SP from S = " + ", ".join(
             f"{v} ({k})" for k, v in by_scenario.items()) + f" (swept {list(result['sweep'])})")
     return "\n".join(lines)
+
+
+def launch_prices(profile: Dict, host_bound: Dict, host_bound_launches: Dict[str, float]) -> Dict[str, float]:
+    """The launch prices of a GPU (module docstring) from its ``gpu-check`` files: the fixed
+    cost of a GEMM and of an attention kernel call from a profiled step of two modes with the
+    same FLOPs (``profile``: the device time and calls of ``aten::mm``/``addmm`` and of the
+    attention kernels, per mode: the extra time over the extra calls), and the host's cost per
+    launch from a step both modes run host-bound (``host_bound``: each mode's compute time
+    over its kernel launches, ``host_bound_launches``, counted on the code it ran), averaged."""
+    def summed(mode: str, names) -> Tuple[float, float]:
+        ops = [o for o in profile["modes"][mode]["profile"]["ops"]["top"] if o["name"] in names]
+        return sum(o["ms"] for o in ops), sum(o["calls"] for o in ops)
+
+    prices = {}
+    for key, names in (("matmul_call_us", ("aten::mm", "aten::addmm")),
+                       ("attention_call_us", tuple(o["name"] for o in profile["modes"][SUBJECT]["profile"]["ops"]["top"]
+                                                   if o["name"].startswith(ATTENTION_KERNEL_OPS)))):
+        (ms, calls), (ms_ref, calls_ref) = summed(SUBJECT, names), summed(REFERENCE, names)
+        prices[key] = (ms - ms_ref) / (calls - calls_ref) * 1e3
+    per_launch = [host_bound["modes"][m]["compute_s_median"] / host_bound_launches[m] for m in (SUBJECT, REFERENCE)]
+    prices["host_us_per_launch"] = sum(per_launch) / len(per_launch) * 1e6
+    return prices

@@ -23,18 +23,34 @@ kernel call inside the attention op (``block_attention/<kernel>``, also counted 
 ``attention_kernel_calls``), and each op that moves memory-bound bytes. Views, allocations,
 metadata queries and collectives (counted by :mod:`~megatron_tsp.measure.counts`) launch
 nothing here; a fused kernel is one op, so one launch.
+
+The optimizer step is counted under ``optimizer/<op>`` (:meth:`StorageTracker.section`),
+bytes and launches: torch's Adam takes its per-tensor path for fake tensors (its multi-tensor
+path checks the tensor type), a dozen launches a parameter, where a GPU's megatron runs a
+multi-tensor Adam (TransformerEngine's or apex's FusedAdam, torch's foreach AdamW): a few
+launches a step, whatever its parameters. Its bytes are the same either way.
 """
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from megatron_tsp.core import block_attention  # (also registers the block_attention ops)
+
+OPTIMIZER = "optimizer"  # the section the optimizer step is counted in
+PHASE_COUNTS = ("flops", "attention_flops", "memory_bytes", "launches", "gemm_calls", "attention_calls")
+
+
+def without_optimizer(launches_by_op: Dict[str, float]) -> Dict[str, float]:
+    """The launches of a step or layer but the optimizer step's (module docstring)."""
+    return {op: n for op, n in launches_by_op.items() if not op.startswith(f"{OPTIMIZER}/")}
+
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "communication", "temporaries")
 GIB = 2**30
@@ -87,9 +103,12 @@ class StorageTracker(TorchDispatchMode):
         self.launches_by_op: Dict[str, int] = {}
         self.attention_kernel_calls = 0
         # the same three by phase of the step ("forward"; "backward": inside autograd's
-        # backward, recomputation included), for the overlap model
+        # backward, recomputation included), for the overlap model, with the launches (the
+        # optimizer step's apart) and of them the GEMMs and attention kernel calls, for the
+        # launch prices (perfmodel.py)
         self.by_phase: Dict[str, Dict[str, int]] = {}
         self._inside = None  # the attention op being followed inside
+        self._section: Optional[str] = None  # a part of the step counted under its name (:meth:`section`)
         self.category: Dict[int, str] = {}  # storage id -> category
         self.size: Dict[int, int] = {}
         self._refs: Dict[int, weakref.ref] = {}
@@ -151,13 +170,31 @@ class StorageTracker(TorchDispatchMode):
 
     _current_op = None
 
-    def _launch(self, name: str) -> None:
-        key = f"{self._inside}/{name}" if self._inside else name
+    @contextlib.contextmanager
+    def section(self, name: str):
+        """Inside the block, bytes and launches are counted under ``<name>/<op>``."""
+        self._section = name
+        try:
+            yield
+        finally:
+            self._section = None
+
+    def _op_key(self, name: str) -> str:
+        where = self._inside or self._section
+        return f"{where}/{name}" if where else name
+
+    def _launch(self, name: str, kind: Optional[str] = None) -> None:
+        """One launch of op ``name``; ``kind``: "gemm_calls" or "attention_calls"."""
+        key = self._op_key(name)
         self.launches_by_op[key] = self.launches_by_op.get(key, 0) + 1
+        if self._section != OPTIMIZER:
+            self._count("launches", 1)
+            if kind is not None:
+                self._count(kind, 1)
 
     def _count(self, key: str, value: int) -> None:
         phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
-        counts = self.by_phase.setdefault(phase, {"flops": 0, "attention_flops": 0, "memory_bytes": 0})
+        counts = self.by_phase.setdefault(phase, dict.fromkeys(PHASE_COUNTS, 0))
         counts[key] += value
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -184,7 +221,7 @@ class StorageTracker(TorchDispatchMode):
             if self._inside and name.startswith(_KERNEL_PREFIXES):
                 # an attention kernel inside the attention op: the op's FLOPs, counted once
                 self.attention_kernel_calls += 1
-                self._launch(name)
+                self._launch(name, "attention_calls")
             elif formula is not None:
                 # torch's FLOP formulas, applied here rather than under FlopCounterMode, whose
                 # module hooks keep activations alive and would distort the memory measured. An
@@ -195,14 +232,14 @@ class StorageTracker(TorchDispatchMode):
                                     **{k: v for k, v in kwargs.items() if k not in ("out", "out_dtype")}, out_val=out)
                     self.flops += flops
                     self._count("flops", flops)
-                self._launch(name)
+                self._launch(name, "gemm_calls" if self._inside is None else None)
             elif not (func.is_view or func.namespace in _NOT_MEMORY_BOUND or name in _NO_DATA):
                 moved = _memory_bytes(name, args, kwargs, out)
                 if moved:
                     self._launch(name)
                 self.memory_bytes += moved
                 self._count("memory_bytes", moved)
-                key = f"{self._inside}/{name}" if self._inside else name
+                key = self._op_key(name)
                 self.memory_bytes_by_op[key] = self.memory_bytes_by_op.get(key, 0) + moved
         for t in out if isinstance(out, (list, tuple)) else [out]:
             if isinstance(t, torch.Tensor):
