@@ -10,7 +10,7 @@ from megatron_tsp.run import config
 BAD = {"--tensor-model-parallel-size": "2", "--context-parallel-size": "2", "--attention-dropout": "0.1",
        "--num-attention-heads": "6", "--num-query-groups": "6", "--ffn-hidden-size": "6", "--seq-length": "12",
        "--hybrid-layer-pattern": "M*-", "--window-size": "64,8", "--expert-model-parallel-size": "3",
-       "--expert-tensor-parallel-size": "2"}
+       "--expert-tensor-parallel-size": "2", "--cuda-graph-impl": "local"}
 # translate_argv adds --sequence-parallel itself; TSP's own settings are not Megatron-LM flags
 ARGV_RULES = [r for r in RULES if r.flag != "--sequence-parallel" and r.layer != "tsp"]
 
