@@ -14,7 +14,7 @@ from megatron_tsp.run.data import make_batch
 BENCH_CONFIG = os.path.join(ROOT, "configs", "bench-cpu.yaml")  # RoPE, GQA, SwiGLU, RMSNorm
 
 
-def test_modes_agree_on_a_rope_gqa_swiglu_model(ranks):
+def test_modes_agree_on_a_rope_gqa_swiglu_model(ranks, tmp_path):
     modes = ["tsp", "tsp-no-overlap", "tp-sp", "tp-sp-ring", "tp-cp"]
     result = bench.run(BENCH_CONFIG, [64], modes, repeats=1, steps=1, warmup=0,
                        runner=lambda fn, *args: ranks(2, fn, *args), nproc=2)
@@ -32,6 +32,20 @@ def test_modes_agree_on_a_rope_gqa_swiglu_model(ranks):
         assert all(row["waits"] >= 1 and row["wait_ms"] >= 0 for row in rows)
     assert not any(entry["tp-sp"]["waits_per_rank"])  # megatron's collectives are not TSP's schedules
     assert "waits for transfers" in bench.table(result)
+    # the same step as a timeline: every layer's attention and MLP, forward and backward, on
+    # every rank, each wait inside a schedule's span; a Gantt chart of it beside the results
+    for events in entry["tsp"]["timeline_per_rank"]:
+        spans = [e for e in events if "span" in e]
+        assert {e["span"] for e in spans} == {f"{kind} {layer} {phase}" for kind in ("attention", "mlp")
+                                              for layer in (1, 2) for phase in ("forward", "backward")}
+        assert all(0 <= e["start_ms"] <= e["end_ms"] for e in spans)
+        for wait in (e for e in events if "wait" in e):
+            assert any(s["start_ms"] <= wait["start_ms"] <= wait["end_ms"] <= s["end_ms"] for s in spans), wait
+        assert any("post" in e for e in events)
+    assert not any(entry["tp-sp"]["timeline_per_rank"])
+    pytest.importorskip("matplotlib")
+    paths = bench.write(result, str(tmp_path), "bench")
+    assert paths[-1].endswith("bench-timeline.png") and os.path.getsize(paths[-1]) > 0
 
 
 def test_disagreeing_modes_are_refused():

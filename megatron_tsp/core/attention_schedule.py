@@ -188,7 +188,7 @@ class BroadcastShardsGatherKV(torch.autograd.Function):
         sinks = head_group_sinks(args, params[-1] if learnable else None, x.device)
         then_backward = args.backward_follows and any(ctx.needs_input_grad)
         n = args.stages
-        with args.transport() as inflight:
+        with args.transport(comm.label("attention", args.module, "forward")) as inflight:
             fwd = ForwardPass(args, x, weight_stream(args, own, inflight), inflight, sinks)
             stage = fwd.project(0)
             for s in range(n):
@@ -214,7 +214,7 @@ class BroadcastShardsGatherKV(torch.autograd.Function):
         saved = Saved.load(ctx)
         args: AttentionScheduleArgs = replace(ctx.args, rope=tuple(saved.rope) or None)
         n = args.stages
-        with args.transport() as inflight:
+        with args.transport(comm.label("attention", args.module, "backward")) as inflight:
             prefetched, ctx.prefetched = ctx.prefetched, []
             for inputs in prefetched:  # posted by the MLP before: waited for here if this fails
                 inputs.kv.adopt(inflight)

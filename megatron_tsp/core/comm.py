@@ -67,8 +67,10 @@ _observer = None
 
 
 def observe(observer):
-    """Let ``observer`` see the transfers every :class:`InFlight` posts and waits for (None:
-    nobody): its ``posted(work)`` as one starts, ``waited(work, seconds)`` after each wait
+    """Let ``observer`` see the schedules and the transfers every :class:`InFlight` posts and
+    waits for (None: nobody): its ``opened(inflight)`` and ``closed(inflight)`` as a schedule
+    starts and ends (``inflight.label`` names it), ``posted(work)`` as a transfer starts,
+    ``waited(work, seconds)`` after each wait
     for one (:mod:`megatron_tsp.measure.waits`). Returns the observer it replaces."""
     global _observer
     previous, _observer = _observer, observer
@@ -99,9 +101,11 @@ class InFlight:
 
     ``add(handle)`` when a transfer starts, ``wait(handle)`` before its buffer is read; used
     as a context manager, an exception waits for every transfer still in flight before it
-    propagates (and so does a normal exit, which should find none)."""
+    propagates (and so does a normal exit, which should find none). ``label`` names the
+    schedule for an observer's timeline (``"attention 3 forward"``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, label: str = "") -> None:
+        self.label = label
         self._handles: List[dist.Work] = []
         # this schedule's finished works, weakly: a schedule that lets a buffer go must not
         # keep it alive until the schedule ends
@@ -138,6 +142,8 @@ class InFlight:
                 self._handles.remove(work)
 
     def __enter__(self) -> "InFlight":
+        if _observer is not None:
+            _observer.opened(self)
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -148,6 +154,8 @@ class InFlight:
             except Exception:  # noqa: BLE001 - the schedule's own error is the one to report
                 if exc_type is None:
                     raise
+        if _observer is not None:
+            _observer.closed(self)
 
 
 class Blocking(InFlight):
@@ -160,6 +168,12 @@ class Blocking(InFlight):
         super().add(handle)
         self.wait(handle)
         return handle
+
+
+def label(kind: str, module, phase: str) -> str:
+    """A schedule's name on an observer's timeline: ``"attention 3 forward"`` (its layer's
+    number where the module has one)."""
+    return f"{kind} {getattr(module, 'layer_number', '?')} {phase}"
 
 
 def transport(overlap: bool) -> Type[InFlight]:

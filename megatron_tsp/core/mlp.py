@@ -143,8 +143,10 @@ class TSPMLP(MLP):
         return lambda h, d_a: torch.ops.aten.gelu_backward(d_a, h)
 
     def set_layer_number(self, layer_number: int) -> None:
-        """Called by megatron's ``TransformerLayer`` with its (global) layer number: a layer that
-        ``moe_layer_freq`` makes a mixture-of-experts layer must not be built dense."""
+        """Called by megatron's ``TransformerLayer`` with its (global) layer number (kept for
+        the schedule's name, :func:`comm.label`): a layer that ``moe_layer_freq`` makes a
+        mixture-of-experts layer must not be built dense."""
+        self.layer_number = layer_number
         if moe_layers(self.config)[layer_number - 1]:
             raise ValueError(f"TSPMLP: layer {layer_number} is a mixture-of-experts layer (--num-experts, "
                              "--moe-layer-freq); build the model with megatron_tsp.get_gpt_block_tsp_spec, which "
@@ -233,7 +235,7 @@ class RotateMLPShards(torch.autograd.Function):
         hidden = [None] * d_size
         acts = [None] * d_size if args.activation_grad is not None else []
         then_backward = args.backward_follows and any(ctx.needs_input_grad)
-        with args.transport() as inflight:
+        with args.transport(comm.label("mlp", args.module, "forward")) as inflight:
             ring = WeightRing(own, args.weight_group, inflight, first=args.first_transfer())
             for t in range(d_size):
                 shard = ring.shard()
@@ -265,7 +267,7 @@ class RotateMLPShards(torch.autograd.Function):
         dy2d = dy.reshape(-1, dy.size(-1))
         x2d = x.reshape(-1, x.size(-1))
         dx = None
-        with args.transport() as inflight:
+        with args.transport(comm.label("mlp", args.module, "backward")) as inflight:
             ring = WeightRing(own, args.weight_group, inflight, backward=True, first=args.first_transfer(),
                               last=ctx.last)
             ctx.last = None

@@ -94,7 +94,7 @@ def _timed_block(values: Dict, mode: str, seq: int, steps: int, warmup: int) -> 
         times.append(time.perf_counter() - t0)
     received = sum(v for phases in counts.totals(records).values() for v in phases.values())
     return {"step_s": times, "bytes_received": received, "first_step_loss": first_loss,
-            "waits": profile.summary()}
+            "waits": profile.summary(), "timeline": profile.timeline()}
 
 
 def _memory(values: Dict, mode: str, seq: int) -> float:
@@ -135,7 +135,7 @@ def _grid(values: Dict, seqs: List[int], modes: List[str], repeats: int, steps: 
     for seq in seqs:
         blocks = {mode: [] for mode in modes}
         first_losses = {mode: [] for mode in modes}
-        bytes_moved, wait_profiles = {}, {}
+        bytes_moved, wait_profiles, timelines = {}, {}, {}
         for _ in range(repeats):
             for mode in modes:  # interleaved
                 per_rank = runner(_block, values, mode, seq, steps, warmup)
@@ -144,6 +144,7 @@ def _grid(values: Dict, seqs: List[int], modes: List[str], repeats: int, steps: 
                 first_losses[mode].append(out["first_step_loss"])
                 bytes_moved[mode] = out["bytes_received"]
                 wait_profiles[mode] = [rank["waits"] for rank in per_rank]
+                timelines[mode] = [rank["timeline"] for rank in per_rank]
         check_same_loss(first_losses, seq, loss_rtol(values))
         entry = {}
         for mode in modes:
@@ -152,7 +153,7 @@ def _grid(values: Dict, seqs: List[int], modes: List[str], repeats: int, steps: 
                            "step_s_max": max(meds), "block_medians": meds,
                            "first_step_loss": first_losses[mode][0],
                            "bytes_received_per_step": bytes_moved[mode],
-                           "waits_per_rank": wait_profiles[mode]}
+                           "waits_per_rank": wait_profiles[mode], "timeline_per_rank": timelines[mode]}
             if peak_memory:
                 entry[mode]["peak_gib"] = runner(_memory, values, mode, seq)[0]
         for base in REFERENCES:
@@ -511,4 +512,9 @@ def write(result: Dict, out_dir: str, stem: str) -> List[str]:
     with open(paths[1], "w", encoding="utf-8") as f:
         f.write(table(result) + "\n")
     plot(result, paths[2])
+    if "results" in result and SUBJECT in next(iter(result["results"].values())):
+        seq = list(result["results"])[-1]
+        paths.append(os.path.join(out_dir, f"{stem}-timeline.png"))
+        waits.gantt(result["results"][seq][SUBJECT]["timeline_per_rank"],
+                    f"{SUBJECT} at S={seq}, the profiled step of the last block, every rank", paths[-1])
     return paths
