@@ -104,8 +104,16 @@ def stock(tree):
 
 @pytest.fixture(scope="module")
 def tsp(tree, tmp_path_factory):
+    """``--tsp-size 2`` through Megatron-LM's own pretrain_gpt.py with README's patch
+    (patches/<tag>), saving at iteration 3. The script's runs below are compared with it or
+    continue it (:func:`test_a_load_continues_the_uninterrupted_run`): both entries, one run."""
+    patched = tmp_path_factory.mktemp("patched")
+    shutil.copy(tree / "pretrain_gpt.py", patched / "pretrain_gpt.py")
+    patch = os.path.join(ROOT, "patches", TAG, "pretrain_gpt_tsp.patch")
+    subprocess.run(["patch", "-p1", "-d", str(patched), "-i", patch], check=True, capture_output=True)
     ckpt = tmp_path_factory.mktemp("tsp-ckpt")
-    losses, printed = _pretrain(tree, None, "--tsp-size", "2", "--save", str(ckpt), "--save-interval", str(SAVED))
+    losses, printed = _pretrain(tree, patched / "pretrain_gpt.py", "--tsp-size", "2", "--save", str(ckpt),
+                                "--save-interval", str(SAVED))
     return losses, printed, ckpt
 
 
@@ -135,7 +143,8 @@ def test_ring_mlp_through_pretrain_equals_stock_tp_sp(tree, stock):
 
 
 def test_a_load_continues_the_uninterrupted_run(tree, tsp):
-    """Resumed from iteration 3, iterations 4-6 are the uninterrupted run's. Megatron-LM
+    """Resumed from iteration 3 by the script, iterations 4-6 are the patched
+    pretrain_gpt.py's uninterrupted run's (the two entries agree). Megatron-LM
     prints a run's first iteration without resetting its loss sums, so its second line (here
     iteration 5, in the uninterrupted run iteration 2) is the mean of both iterations."""
     full, _, ckpt = tsp
@@ -144,15 +153,6 @@ def test_a_load_continues_the_uninterrupted_run(tree, tsp):
     expected = {it: full[it] for it in losses}
     expected[SAVED + 2] = (full[SAVED + 1] + full[SAVED + 2]) / 2
     _close(losses, expected)
-
-
-def test_patched_pretrain_gpt_equals_the_script(tree, tsp, tmp_path):
-    shutil.copy(tree / "pretrain_gpt.py", tmp_path / "pretrain_gpt.py")
-    patch = os.path.join(ROOT, "patches", TAG, "pretrain_gpt_tsp.patch")
-    subprocess.run(["patch", "-p1", "-d", str(tmp_path), "-i", patch], check=True, capture_output=True)
-    losses, printed = _pretrain(tree, tmp_path / "pretrain_gpt.py", "--tsp-size", "2")
-    assert printed["spec"] == "['megatron_tsp.megatron_lm', 'layer_spec']"
-    _close(losses, tsp[0])
 
 
 def test_tsp_size_maps_onto_the_tensor_parallel_slot():
@@ -341,18 +341,19 @@ def test_the_entry_passes_megatron_lms_checks_on_hopper():
 DOCUMENTS = ["--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"]
 
 
-def test_packed_documents_through_pretrain_equal_stock_tp_sp(tree):
+def test_packed_documents_through_pretrain_equal_stock_tp_sp(tree, stock):
     """``--reset-attention-mask`` with ``--tsp-size 2``: the documents found from the whole
     sequence's EOD tokens, no ``[b, 1, S, S]`` mask (the dataloader does not build one); the
     same losses as stock pretrain_gpt.py's TP2+SP, which applies the dataset's mask
-    (megatron's local attention)."""
+    (megatron's local attention). Not the plain run's losses: the mock data has EOD tokens
+    (without them the three flags change nothing), so its sequences hold several documents
+    and the mask is not all-causal."""
     tsp_losses, printed = _pretrain(tree, None, "--tsp-size", "2", *DOCUMENTS,
                                     "--no-create-attention-mask-in-dataloader")
     assert printed["reset_attention_mask"] == "True"
     stock_losses, _ = _pretrain(tree, tree / "pretrain_gpt.py", *TP_SP, *DOCUMENTS)
     _close(tsp_losses, stock_losses)
-    plain, _ = _pretrain(tree, tree / "pretrain_gpt.py", *TP_SP, "--reset-position-ids", "--eod-mask-loss")
-    assert plain[1] != stock_losses[1]  # the mock data has documents: the mask changes the loss
+    assert stock_losses[1] != stock[0][1]
 
 
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2",
