@@ -59,7 +59,7 @@ class WaitProfile:
 
     def closed(self, inflight) -> None:
         start = self._open.pop(id(inflight), None)
-        if start is not None:
+        if start is not None and inflight.label:  # a layer's schedule, not a helper's single transfer
             self._events.append({"span": inflight.label, "start_ms": self._ms(start),
                                  "end_ms": self._ms(time.perf_counter())})
 
@@ -109,9 +109,9 @@ def gantt(timelines: List[List[Dict]], title: str, path: str) -> None:
         y = len(timelines) - 1 - rank
         for e in events:
             if "span" in e:
-                kind, _, phase = e["span"].split(" ")
+                words = e["span"].split(" ")
                 ax.barh(y, e["end_ms"] - e["start_ms"], left=e["start_ms"], height=0.6,
-                        color=colors.get((kind, phase), "grey"), edgecolor="white", linewidth=0.3)
+                        color=colors.get((words[0], words[-1]), "grey"), edgecolor="white", linewidth=0.3)
             elif "wait" in e:
                 ax.barh(y - 0.2, e["end_ms"] - e["start_ms"], left=e["start_ms"], height=0.2, color="#de2d26")
             else:
