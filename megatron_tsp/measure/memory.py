@@ -336,8 +336,10 @@ def _step(args, mode: Mode, tracker, attention_backend, device: Device, fake: bo
 def planned_layers(values: Dict) -> Tuple[int, int]:
     """The two layer counts a model is planned at to extrapolate it linearly in its layers:
     two and three recompute units (full uniform recompute of k layers: 2k and 3k), or, with
-    full block recompute of its first k layers, k+1 and k+2 (from there on every layer
-    added is one that is not recomputed). Not 1: a one-layer model's peak can fall at
+    full block recompute of its first k layers, k+2 and k+3 (from there on every layer
+    added is one that is not recomputed; with one such layer, k+1, the peak can fall in its
+    backward rather than the forward: TSP's tiny model at k=3), or k+1 and k+2 for a model
+    of k+1 layers. Not 1: a one-layer model's peak can fall at
     another point of the step than a deeper one's, and a line through 1 and 2 layers then
     has the wrong slope (the 7B's ring MLP at 128K with full recompute: +1.7 GiB at 32
     layers). A layer pattern of period p (:func:`layer_period`: sliding windows with every
@@ -354,7 +356,8 @@ def planned_layers(values: Dict) -> Tuple[int, int]:
         if period > 1:
             low = k + 1 + (layers - k - 1) % period
             return low, low + period
-        return max(2, k + 1), max(2, k + 1) + 1
+        low = max(2, min(k + 2, layers))
+        return low, low + 1
     unit = k if full and values.get("recompute_method") == "uniform" else 1
     if period > 1:
         if block:  # every layer recomputed: plans of no more layers than the first k
