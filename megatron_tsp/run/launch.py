@@ -229,6 +229,7 @@ def _reset() -> None:
     """
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
+    from megatron.core.models.common.embeddings import rotary_pos_embedding
 
     from megatron_tsp.core import parallel_state as tsp_state
 
@@ -236,11 +237,22 @@ def _reset() -> None:
         tsp_state.destroy_model_parallel()
     elif mpu.model_parallel_is_initialized():
         mpu.destroy_model_parallel()
+    # megatron-core's destroy_model_parallel forgets some groups it made (0.16 and 0.19:
+    # _INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP and its gloo twin): forget every one left
+    for name, value in list(vars(mpu).items()):
+        if isinstance(value, dist.ProcessGroup):
+            setattr(mpu, name, None)
+    # RotaryEmbedding.forward is an lru_cache on the class: it keeps every rotary embedding
+    # built (and its cp_group) alive past its model
+    cached = getattr(rotary_pos_embedding.RotaryEmbedding.forward, "cache_clear", None)
+    if cached is not None:
+        cached()
     if dist.is_initialized():
         dist.destroy_process_group()
     # A group lives while anything refers to it, and the task's models, optimizers and
     # megatron's process-group collections refer to them in cycles: collect those now, or
-    # the gloo groups (two threads each, one waking every 10 ms) pile up task after task.
+    # the gloo groups (three threads each, one waking every 10 ms) pile up task after task:
+    # in a full test run 480 groups a worker took half of two cores (tests/test_launch.py).
     gc.collect()
 
 
