@@ -29,12 +29,26 @@ def run_on_pool(world_size, fn, *args, timeout_s=300.0, **kwargs):
     return pool.run(fn, *args, timeout_s=timeout_s, **kwargs)
 
 
-@pytest.fixture(scope="session")
-def ranks():
-    yield run_on_pool
+def _close_pools():
     for pool in _POOLS.values():
         pool.close(kill=True)  # nothing to finish: no graceful shutdown to wait for
     _POOLS.clear()
+
+
+@pytest.fixture(scope="session")
+def ranks():
+    yield run_on_pool
+    _close_pools()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _workers_per_module():
+    """Each test module's ranks are fresh processes (a fork each, in a fraction of a second):
+    what a module's tasks leave behind that ``launch._reset`` cannot free (megatron-core's
+    MoE layers outlive their task, and their gloo groups' threads with them) does not slow
+    the modules after it, the Megatron-LM torchruns among them."""
+    yield
+    _close_pools()
 
 
 def pytest_addoption(parser):
