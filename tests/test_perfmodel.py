@@ -132,3 +132,23 @@ def test_launch_prices_are_the_h200s_and_reproduce_its_measured_compute_ratios()
             assert abs(model / measured - 1) <= 0.10, (run, model, measured)
     model, measured = ratios[host_bound, False]
     assert model < measured / 2
+
+
+def test_the_launch_counting_script_counts_a_step(tmp_path):
+    """scripts/count_launches_at_commit.py (the counts of launch-counts-H200-measured.json),
+    run on this tree: both modes' step, its FLOPs and bytes, GEMM and attention calls among
+    the launches, the optimizer step's apart (TSP's head groups call the kernel more often)."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "counts.json"
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "count_launches_at_commit.py"), TINY, "64",
+                          "2", "gpu", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    counts = json.loads(out.read_text())
+    assert set(counts) == {"tsp", "tp-sp"}
+    for c in counts.values():
+        assert c["launches"] > c["gemm_calls"] + c["attention_calls"] and c["gemm_calls"] > 0 < c["attention_calls"]
+        assert c["flops"] > c["attention_flops"] > 0 and c["memory_bytes"] > 0
+    assert counts["tsp"]["attention_calls"] > counts["tp-sp"]["attention_calls"]

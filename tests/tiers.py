@@ -54,6 +54,7 @@ FULL = [
     "tests/test_plan.py::test_a_mixture_of_experts_model_is_planned_with_balanced_routing",
     "tests/test_perfmodel.py::test_layer_extrapolation_matches_a_full_plan",
     "tests/test_perfmodel.py::test_prediction_has_every_mode_and_a_sweep",
+    "tests/test_perfmodel.py::test_the_launch_counting_script_counts_a_step",
     # the benchmark, the link and the GPU check's rehearsal
     "tests/test_bench.py::test_modes_agree_on_a_rope_gqa_swiglu_model",
     "tests/test_bench.py::test_the_crossover_rate_is_where_the_ratio_crosses_one",
