@@ -39,10 +39,10 @@ and stage 0's q, k, v computed, its K/V gather posted. Forward, step s = 0..n-1
     | at s = n-1: posts the next module's first transfer                                               |
     | q, k, v of stage s+1 (posts W(s+1+L) first,     | W(s+1)    | W(s+2..s+1+L), KV(s)               |
     |   KV(s+1) last)                                 |           |                                    |
-    | stage s+1's blocks against its own keys (at     |           | W(s+2..s+1+L), KV(s), KV(s+1)      |
-    |   s = 0 stage 0's first)                        |           |                                    |
-    | stage s's blocks against the gathered keys,     | KV(s)     | W(s+2..s+1+L), KV(s+1)             |
-    |   merged with its own keys' part                |           |                                    |
+    | at s = 0: stage 0's blocks against its own keys |           | W(s+2..s+1+L), KV(s), KV(s+1)      |
+    | at s = n-2: stage n-1's against its own keys    |           | W(s+2..s+1+L), KV(s), KV(s+1)      |
+    | stage s's blocks against the gathered keys      | KV(s)     | W(s+2..s+1+L), KV(s+1)             |
+    |   (merged with its own keys' part if it has one)|           |                                    |
 
 Backward, step s = 0..n-1 (:meth:`BroadcastShardsGatherKV.backward`; KV(0) posted by the MLP
 after this attention as its backward starts, where it could), then stage n-1's dx and dWqkv:
@@ -58,10 +58,15 @@ after this attention as its backward starts, where it could), then stage n-1's d
     |   time (posts its dW reduce)                    | the one   |   a dW reduce                      |
     |                                                 | before    |                                    |
 
-With plain causal attention (no window, no documents) a stage's forward first attends to
-this rank's own two key chunks, which need nothing to arrive (:func:`zigzag_own_keys_first`),
-and the last stage's backward runs its blocks against them last, while its dK/dV travel
-(:func:`zigzag_own_keys_last`). Without overlap (``overlap_comm=False``) the same steps run
+With plain causal attention (no window, no documents) the forward's first and last stages
+attend to this rank's own two key chunks, which need nothing to arrive, before the other
+ranks' (:func:`zigzag_own_keys_first`): the first stage's K/V have no earlier stage's
+compute to travel behind, and the last stage's are the last transfer of a pass that waits
+on its link, after which only their own blocks should be left. The last stage's backward
+runs its blocks against them last, while its dK/dV travel (:func:`zigzag_own_keys_last`).
+Every other stage's K/V travel behind the stage before's attention, and its blocks run
+uncut: cut at the own slots they cost up to three more kernel calls and two merges a
+stage, for no more compute beside any transfer. Without overlap (``overlap_comm=False``) the same steps run
 on :class:`~megatron_tsp.core.comm.Blocking`, where every transfer completes where it is
 posted: the sums run in the same order either way, bit-identical where the attention
 kernels are deterministic (the CPU's; not flash-attn's backward on a GPU).
@@ -195,9 +200,10 @@ class BroadcastShardsGatherKV(torch.autograd.Function):
                 if s == n - 1:
                     args.chain.post_next(args.module, inflight, backward=False, then_backward=then_backward)
                 upcoming = fwd.project(s + 1) if s + 1 < n else None
-                if s == 0:  # once stage 1's gather is posted too
+                if s == 0:  # while stage 0's and stage 1's K/V travel
                     stage = fwd.attend_own(stage)
-                upcoming = fwd.attend_own(upcoming)  # while its K/V travel
+                if s + 1 == n - 1:  # the last stage's, while its K/V travel
+                    upcoming = fwd.attend_own(upcoming)
                 fwd.attend_gathered(stage)
                 stage = upcoming
         y = F.linear(fwd.out, fwd.proj)  # one GEMM over the head groups: fp32 inside, rounded once
@@ -308,10 +314,10 @@ class ForwardPass:
         query, _, _ = args.split_heads(mixed, args.rope, local)
         return ForwardStage(s, query, GatherKV(local, args.tsp_group, self.inflight), local)
 
-    def attend_own(self, stage: Optional[ForwardStage]) -> Optional[ForwardStage]:
+    def attend_own(self, stage: ForwardStage) -> ForwardStage:
         """The stage's blocks against this rank's own keys, which need nothing to arrive."""
         args = self.args
-        if stage is None or args.own_keys_first is None:
+        if args.own_keys_first is None:
             return stage
         keys, values = stage.local[:, 0], stage.local[:, 1]
         o = self.columns(stage.s)

@@ -101,10 +101,8 @@ def _merge_into(kernel, q, k, v, out, lse, calls: List[geometry.Call], scale: fl
             lse[:, :, q0:q1].copy_(results[0][3])
             continue
         if all((a, b) == (0, q1 - q0) for a, b, _, _ in results):
-            merged, merged_lse = torch.ops.megatron_tsp.merge_blocks([r[2] for r in results], [r[3] for r in results],
-                                                                     out.dtype)
-            out[:, :, q0:q1].copy_(merged)
-            lse[:, :, q0:q1].copy_(merged_lse)
+            torch.ops.megatron_tsp.merge_blocks([r[2] for r in results], [r[3] for r in results], out[:, :, q0:q1],
+                                                lse[:, :, q0:q1])
             continue
         merged = results[0][3].clone()  # a band of some rows merges into the whole piece's rows
         for a, b, _, o_lse in results[1:]:
@@ -120,19 +118,20 @@ def _merge_into(kernel, q, k, v, out, lse, calls: List[geometry.Call], scale: fl
         lse[:, :, q0:q1].copy_(merged)
 
 
-def merge_by_lse(outs: List[torch.Tensor], lses: List[torch.Tensor], dtype: torch.dtype
-                  ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Blocks of the same query rows merged by their log-sum-exps: ``(out, lse)``, out =
-    sum_j exp(l_j - lse) o_j summed in fp32 and rounded once to ``dtype``. One kernel on a GPU
-    (:mod:`~megatron_tsp.core.fusion`) where eager torch launches about four a block; the CPU
-    and the planner run it eagerly, with the same numbers."""
-    lse = lses[0]
+def merge_by_lse(outs: List[torch.Tensor], lses: List[torch.Tensor], out: torch.Tensor, lse: torch.Tensor) -> None:
+    """Blocks of the same query rows merged by their log-sum-exps into ``out`` and ``lse``
+    (views of the op's buffers, any strides): lse = log(sum_j exp(l_j)), out = sum_j exp(l_j -
+    lse) o_j summed in fp32 and rounded once as it is written. One kernel on a GPU
+    (:mod:`~megatron_tsp.core.fusion`), its stores included, where eager torch launches about
+    four a block and two copies; the CPU and the planner run it eagerly, with the same numbers."""
+    merged = lses[0]
     for block_lse in lses[1:]:
-        lse = torch.logaddexp(lse, block_lse)
-    acc = outs[0] * torch.exp(lses[0] - lse).unsqueeze(-1)
-    for o, block_lse in zip(outs[1:-1], lses[1:-1]):
-        acc = torch.addcmul(acc, o, torch.exp(block_lse - lse).unsqueeze(-1))
-    return torch.addcmul(acc, outs[-1], torch.exp(lses[-1] - lse).unsqueeze(-1)).to(dtype), lse
+        merged = torch.logaddexp(merged, block_lse)
+    acc = outs[0] * torch.exp(lses[0] - merged).unsqueeze(-1)
+    for o, block_lse in zip(outs[1:], lses[1:]):
+        acc = torch.addcmul(acc, o, torch.exp(block_lse - merged).unsqueeze(-1))
+    out.copy_(acc)
+    lse.copy_(merged)
 
 
 def _forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks_flat: List[int], scale: float,
@@ -240,7 +239,7 @@ _block_attention_backward = torch.library.custom_op("megatron_tsp::block_attenti
 _block_attention_backward.register_fake(_backward_into)
 
 # the merge: one op (the planner counts one launch), compiled on GPUs
-_merge = torch.library.custom_op("megatron_tsp::merge_blocks", mutates_args=())(merge_by_lse)
+_merge = torch.library.custom_op("megatron_tsp::merge_blocks", mutates_args=("out", "lse"))(merge_by_lse)
 _merge.register_fake(merge_by_lse)
 _merge.register_kernel("cuda")(compiled_on_first_call(merge_by_lse))
 
