@@ -92,7 +92,8 @@ class Step(NamedTuple):
 
 def setup(mode, model="modern", tsp=1, tp=1, cp=1, pp=1, recompute=None, overlap_grad_reduce=False,
           use_distributed_optimizer=True, block_spec=False, init=True, grad_reduce_in_fp32=False,
-          with_optimizer=True, ring_mlp=False, lookahead=1, per_call=0, ep=None, vocab="sequence", tied=True,
+          with_optimizer=True, ring_mlp=False, lookahead=1, per_call=0, mlp_shards=0, ep=None, vocab="sequence",
+          tied=True,
           **config_overrides):
     """Process groups (unless ``init`` is false), model (DDP-wrapped chunks), optimizer and
     batch transform for ``single`` (the world=1 reference: megatron's stock local spec) or a
@@ -125,7 +126,7 @@ def setup(mode, model="modern", tsp=1, tp=1, cp=1, pp=1, recompute=None, overlap
                                      or (mode == "tp-cp" and tp > 1)), **experts, **config_overrides))
     args = SimpleNamespace(tsp_size=size if mode == "tsp" else 1, context_parallel_size=cp, qk_layernorm=False,
                            tsp_lookahead=lookahead, tsp_head_groups_per_call=per_call,
-                           ring_mlp=ring, seq_length=SEQ)
+                           tsp_mlp_shards_per_call=mlp_shards, ring_mlp=ring, seq_length=SEQ)
     if mode == "single":
         spec = get_gpt_layer_local_spec(normalization=config.normalization, num_experts=config.num_moe_experts)
     elif mode == "tsp" and not block_spec:

@@ -420,12 +420,13 @@ def test_tsp_backward_runs_no_attention_forward(ranks, tsp_size, per_call):
     # per head group, in the zigzag layout with a top-left kernel (aten's CPU flash): forward,
     # rank p's chunk 2D-1-p a causal and a full block, chunk p a causal block and, but on
     # rank 0, a full block before it; in the first and last stage cut at the edges of the
-    # rank's own key chunks, which run first (zigzag_own_keys_first). Backward (zigzag_backward_blocks): chunk 2D-1-p's causal
-    # block, its full blocks before slot D (but on rank D-1) and from slot D+p (on rank 0 one
-    # full block), both chunks' full block over slots D..D+p-1 (but on rank 0), and chunk p's
-    # causal block; the last head group's cut at the edges of the rank's own key chunks, which
-    # run last (zigzag_own_keys_last). At D=1 the sequence is one causal block. With several
-    # head groups per call, each stage of them makes the calls of one.
+    # rank's own key chunks, which run first (zigzag_own_keys_first). Backward
+    # (zigzag_backward_blocks): chunk 2D-1-p's causal block, its full blocks before slot D
+    # (but on rank D-1) and from slot D+p (on rank 0 one full block), both chunks' full block
+    # over slots D..D+p-1 (but on rank 0), and chunk p's causal block; the last head group's
+    # cut at the edges of the rank's own key chunks, which run last (zigzag_own_keys_last).
+    # At D=1 the sequence is one causal block. With several head groups per call, each stage
+    # of them makes the calls of one.
     from megatron_tsp.core.block_geometry import zigzag_blocks, zigzag_own_keys_first, zigzag_own_keys_last
 
     d, stages = tsp_size, tsp_size // per_call

@@ -77,11 +77,13 @@ def test_the_mlp_backward_posts_the_attention_backwards_kv(ranks, single, recomp
         dict(tsp=2, recompute="selective:mlp"),  # TSP=2 x DP=2
         dict(tsp=4, recompute="full", block_spec=True, lookahead=3),  # every shard in flight at once
         dict(tsp=4, recompute="full", model="classic"),  # GELU: the recomputed MLP keeps its activation
-        dict(tsp=4, block_spec=True, per_call=4),  # every head group in one stage
+        dict(tsp=4, block_spec=True, per_call=4),  # every head group in one stage: the MLP gathers its shards
         dict(tsp=4, recompute="full", block_spec=True, per_call=2),  # two stages of two
+        # the gathered MLP recomputed, keeping its activation and its last layer's gathered shards
+        dict(tsp=4, recompute="full", model="classic", block_spec=True, mlp_shards=4),
     ],
     ids=["dp2", "pp2", "dp2-recompute-overlap", "pp2-recompute", "selective", "selective-mlp",
-         "recompute-lookahead3", "recompute-gelu", "one-stage", "recompute-stages-of-two"],
+         "recompute-lookahead3", "recompute-gelu", "one-stage", "recompute-stages-of-two", "recompute-gathered-mlp"],
 )
 def test_tsp_with_dp_pp_and_recompute(ranks, single, single_checkpoint, kwargs):
     if kwargs.pop("load", False):

@@ -35,7 +35,7 @@ def _group():
     return mpu.get_tensor_model_parallel_group()  # TSP's group, or the TP group the ring runs over
 
 
-def _build(tsp_size, dtype, swiglu, bias, overlap=True, sequence_parallel=True):
+def _build(tsp_size, dtype, swiglu, bias, overlap=True, sequence_parallel=True, shards_per_call=1):
     act = dict(gated_linear_unit=True, activation_func=F.silu) if swiglu else dict(activation_func=F.gelu)
     ref_cfg, tsp_cfg = configs(tsp_size, dtype, hidden_size=HIDDEN, ffn_hidden_size=FFN, num_attention_heads=8,
                                add_bias_linear=bias, **act)
@@ -45,7 +45,7 @@ def _build(tsp_size, dtype, swiglu, bias, overlap=True, sequence_parallel=True):
     torch.manual_seed(0)
     ref = MLP(ref_cfg, SUBMODULES, ffn_hidden_size=FFN, tp_group=solo.tp)
     torch.manual_seed(0)
-    tsp = TSPMLP(tsp_cfg, SUBMODULES, ffn_hidden_size=FFN, overlap_comm=overlap)
+    tsp = TSPMLP(tsp_cfg, SUBMODULES, ffn_hidden_size=FFN, overlap_comm=overlap, shards_per_call=shards_per_call)
     return ref, tsp
 
 
@@ -78,9 +78,10 @@ def _run_tsp(tsp, x_full, dy_full, saved=None):
     return out, bias, x
 
 
-def _one_case(tsp_size, dtype, swiglu, bias, sequence_parallel=True):
+def _one_case(tsp_size, dtype, swiglu, bias, sequence_parallel=True, shards_per_call=1):
     group = _group()
-    ref, tsp = _build(tsp_size, dtype, swiglu, bias, sequence_parallel=sequence_parallel)
+    ref, tsp = _build(tsp_size, dtype, swiglu, bias, sequence_parallel=sequence_parallel,
+                      shards_per_call=shards_per_call)
     x_full, dy_full = _inputs(dtype)
     x_ref = x_full.clone().requires_grad_()
     out_ref, bias_ref = ref(x_ref)
@@ -105,12 +106,12 @@ def _one_case(tsp_size, dtype, swiglu, bias, sequence_parallel=True):
     return errors
 
 
-def _all_cases(tsp_size, dtype, layout="tsp"):
+def _all_cases(tsp_size, dtype, layout="tsp", shards_per_call=1):
     if layout == "tsp":
         init_tsp(tsp_size)
     else:  # the ring MLP of a TP model: tp-sp-ring, or tp-ring without sequence parallelism
         init_tsp(1, tensor_model_parallel_size=tsp_size, ring_mlp=True)
-    return [((swiglu, bias), _one_case(tsp_size, dtype, swiglu, bias, layout != "tp-ring"))
+    return [((swiglu, bias), _one_case(tsp_size, dtype, swiglu, bias, layout != "tp-ring", shards_per_call))
             for swiglu, bias in itertools.product((False, True), (False, True))]
 
 
@@ -118,6 +119,14 @@ def _all_cases(tsp_size, dtype, layout="tsp"):
 @pytest.mark.parametrize("tsp_size", [1, 2, 4, 8])
 def test_matches_stock_mlp(ranks, tsp_size, dtype):
     assert_within(ranks(tsp_size, _all_cases, tsp_size, dtype), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("tsp_size", [2, 4])
+def test_gathered_shards_match_stock_mlp(ranks, tsp_size, dtype):
+    """Every shard gathered at once (``shards_per_call`` = D, a short layer's MLP): the same
+    output, input gradient and every weight gradient as megatron's MLP at world size 1."""
+    assert_within(ranks(tsp_size, _all_cases, tsp_size, dtype, "tsp", tsp_size), dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

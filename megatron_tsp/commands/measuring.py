@@ -362,7 +362,7 @@ def _gpu_check_parser(sub, common) -> None:
                         "flash), flash, cudnn, efficient, flash_attn")
     p.add_argument("--out", default="bench/results/gpu-check.json", help="results file (JSON)")
     config_flags(p, ["num_layers", "seq_length", "max_position_embeddings", "micro_batch_size",
-                      "tsp_head_groups_per_call"])
+                      "tsp_head_groups_per_call", "tsp_mlp_shards_per_call"])
     p.set_defaults(func=_cmd_gpu_check)
 
 

@@ -240,6 +240,7 @@ class TSPSelfAttention(SelfAttention):
             groups_per_call=head_groups_per_call(self.head_groups_per_call, d_size, hidden_states.size(1),
                                                  self.num_attention_heads_per_partition, chunk,
                                                  hidden_states.device, backend, planned=is_fake(hidden_states)))
+        self.chain.short_layers = args.groups_per_call == d_size
         sink = []
         if self.config.softmax_type == "learnable":  # read, not called: its pre-hooks stand in (streaming.py)
             run_forward_pre_hooks(self.core_attention)

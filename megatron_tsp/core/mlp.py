@@ -24,6 +24,15 @@ and the input gradient accumulate over the ring without a rounding, and each sha
 gradient is written, then added to by the next holders, inside the fp32 buffer that carries
 it to its owner.
 
+A short layer's MLP gathers its shards instead (``shards_per_call`` D, and by default where
+its attention puts every head group in one call: :meth:`TSPMLP.shards_per_call`): every
+shard all-gathered at once, the same bytes as the ring's, so that fc1, the activation and
+fc2 are one GEMM or kernel each rather than one per shard and step; each rank's weight
+gradients go to their owners by an fp32 reduce-scatter, not in accumulators round the ring
+(:class:`GatherMLPShards`). At short sequence lengths a ring step's GEMMs are too small to
+keep a GPU busy and the step is bound by its launches; the ring's overlap is then worth
+less than D times fewer kernels.
+
 It is TSP's MLP, and it drops into a tensor-parallel model as it is (``--ring-mlp``): TP's
 fc1 column and fc2 row shards are its shards, and TP+SP's pre-MLP norm hands it the
 sequence-sharded ``[S/D, b, h]`` its output goes back to; the MLP's activation collectives
@@ -35,7 +44,7 @@ weight traffic that does not grow with S. Without sequence parallelism each rank
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Tuple, Type
+from typing import Callable, List, Optional, Tuple, Type, Union
 
 import torch
 import torch.distributed as dist
@@ -51,7 +60,15 @@ from megatron_tsp.core import comm
 from megatron_tsp.core.gemm import gemm, gemm_t
 from megatron_tsp.core.parallel_state import is_tsp_group, resolve_ring_groups
 from megatron_tsp.core.prefetch import LayerChain
-from megatron_tsp.core.streaming import WeightRing, deliver_grads, linear_pair_shard, unpack
+from megatron_tsp.core.streaming import (
+    GatheredShards,
+    WeightRing,
+    deliver_grads,
+    gather_shards,
+    linear_pair_shard,
+    scatter_grads,
+    unpack,
+)
 from megatron_tsp.core.support import check_mlp_config, moe_layers, require
 
 _NOT_AN_EXPERT = ("TSPMLP: a mixture-of-experts layer's experts are megatron's MLPs, each whole on the rank that "
@@ -65,6 +82,8 @@ class TSPMLP(MLP):
     ``overlap_comm``: the next shard travels while this one computes (else every transfer
     completes where it is posted: :class:`~megatron_tsp.core.comm.Blocking`). ``chain``: the
     model's :class:`~megatron_tsp.core.prefetch.LayerChain` (the spec passes one).
+    ``shards_per_call``: 1 (the ring), D (every shard gathered, :class:`GatherMLPShards`), or
+    ``auto`` (also written 0): :meth:`shards_per_call`.
     """
 
     def __init__(
@@ -77,6 +96,7 @@ class TSPMLP(MLP):
         tp_group: Optional[torch.distributed.ProcessGroup] = None,
         overlap_comm: bool = True,
         chain: Optional[LayerChain] = None,
+        shards_per_call: Union[int, str] = 1,
         pg_collection=None,
         is_mtp_layer: bool = False,
         **layer_kwargs,
@@ -94,14 +114,27 @@ class TSPMLP(MLP):
             raise ValueError("TSPMLP: the ring MLP in a mixture-of-experts model (--num-experts with --ring-mlp) is "
                              "not implemented; drop one")
         require("--mtp-num-layers", is_mtp_layer, group.size(), "TSPMLP", self.under)
+        require("--tsp-mlp-shards-per-call", shards_per_call, group.size(), "TSPMLP", self.under)
         ffn_hidden_size = ffn_hidden_size or config.ffn_hidden_size
         check_mlp_config(config, group.size(), ffn_hidden_size, self.under)
         super().__init__(config, submodules, False, input_size, ffn_hidden_size, group, **layer_kwargs)
         self.tsp_group = group
         self.weight_group = weight_group
         self.overlap_comm = overlap_comm
+        self.shards_setting = shards_per_call
         self.chain = chain if chain is not None else LayerChain()
         self.chain.register(self)
+
+    def shards_per_call(self) -> int:
+        """1: the shards rotate round the ring; D: every shard is gathered at once. ``auto``:
+        D where the model's TSP attention puts all its head groups in one call, which it does
+        where a head group's calls leave the GPU idle (:func:`~megatron_tsp.core.head_groups
+        .head_groups_per_call`; its layers tell the chain), the same shortness that leaves a
+        ring step's GEMMs bound by their launches; else the ring (on the CPU always)."""
+        d_size = self.weight_group.size()
+        if self.shards_setting in ("auto", 0):
+            return d_size if d_size > 1 and self.chain.short_layers else 1
+        return self.shards_setting
 
     def shard_tensors(self) -> List[torch.Tensor]:
         """This rank's shard, in the order it travels: W1, (b1), W2."""
@@ -112,6 +145,8 @@ class TSPMLP(MLP):
         poster's transport ``inflight``: :mod:`prefetch`. ``after_own_forward``: for the
         backward that follows this layer's forward at once, which keeps the shard it ended
         with; with D = 2 that is the backward's first, and nothing is posted (None)."""
+        if self.shards_per_call() > 1:  # a backward that follows at once keeps the forward's
+            return None if after_own_forward else gather_shards(self.shard_tensors(), self.weight_group, inflight)
         if after_own_forward and self.weight_group.size() == 2:
             return None
         return WeightRing.post(self.shard_tensors(), self.weight_group, inflight=inflight)
@@ -162,11 +197,12 @@ class TSPMLP(MLP):
                                chain=self.chain, module=self, activation_grad=self.activation_grad(),
                                backward_follows=torch.is_grad_enabled()
                                or self.config.recompute_granularity == "full")
+        schedule = GatherMLPShards if self.shards_per_call() > 1 else RotateMLPShards
         if self.config.sequence_parallel:
-            return RotateMLPShards.apply(args, hidden_states, *self.shard_tensors()), self.linear_fc2.bias
+            return schedule.apply(args, hidden_states, *self.shard_tensors()), self.linear_fc2.bias
         # replicated tokens: this rank's 1/D in, everyone's out (backward: the slice, then the gather)
         mine = scatter_to_sequence_parallel_region(hidden_states, group=self.tsp_group)
-        output = RotateMLPShards.apply(args, mine, *self.shard_tensors())
+        output = schedule.apply(args, mine, *self.shard_tensors())
         full = gather_from_sequence_parallel_region(output, tensor_parallel_output_grad=False, group=self.tsp_group)
         return full, self.linear_fc2.bias
 
@@ -189,8 +225,23 @@ class MLPScheduleArgs:
     activation_grad: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None
     backward_follows: bool = True  # grad mode at the call, or a recomputed layer's first pass
 
-    def first_transfer(self):
-        return self.chain.take(self.module) if self.chain is not None else None
+    def first_transfer(self, gathered: bool = False):
+        """The first transfer the module before posted for this one (:mod:`prefetch`; None:
+        post your own): the gathers with ``gathered``, else the ring's first exchange. One of
+        the other kind (the chain's layers changed length since) is waited for and dropped."""
+        first = self.chain.take(self.module) if self.chain is not None else None
+        if first is not None and isinstance(first, GatheredShards) != gathered:
+            comm.finish(first[-1])
+            return None
+        return first
+
+    def first_gather(self, own, inflight: comm.InFlight) -> GatheredShards:
+        """The all-gathers of every shard: posted by the module before, else now."""
+        first = self.first_transfer(gathered=True)
+        if first is None:
+            return gather_shards(own, self.weight_group, inflight)
+        inflight.add(first.works)
+        return first
 
     def post_next(self, inflight: comm.InFlight, backward: bool, then_backward: bool = True) -> None:
         if self.chain is not None:
@@ -311,3 +362,78 @@ class RotateMLPShards(torch.autograd.Function):
             own_grad = ring.own_grad()
             inflight.hand_over(handed)  # to the attention backward that runs next
         return (None, dx.view_as(x).to(x.dtype), *deliver_grads(own, own_grad))
+
+
+def per_shard(activation: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor, shards: int) -> torch.Tensor:
+    """The activation of fc1's output ``h`` ``[..., D r]`` (the shards' columns side by side)
+    applied shard by shard, as the ring applies it (a gated unit's two halves are each
+    shard's own): ``[..., D c]``, in one call."""
+    a = activation(h.view(*h.shape[:-1], shards, h.size(-1) // shards))
+    return a.view(*h.shape[:-1], -1)
+
+
+class GatherMLPShards(torch.autograd.Function):
+    """y_p = act(x_p W1^T + b1) W2^T with every shard gathered (:func:`gather_shards`): fc1,
+    the activation and fc2 one call each over all D shards, the sum over the ffn dimension
+    inside fc2's GEMM (fp32, rounded once).
+
+    Forward: take the gathers (posted by the module before, :mod:`prefetch`), post the next
+    module's first transfer, wait, compute. Backward: the gathers again (or the forward's,
+    kept where the backward follows it at once), the K/V re-gather of the attention backward
+    that runs next posted, then the activation's gradient, fc2's weight gradient, dx and
+    fc1's weight gradient, each one call; the weight gradients, fp32, reduce-scattered to
+    their owners (:func:`scatter_grads`).
+    Saved: x_p and fc1's output for this rank's tokens (and the activation's with
+    ``activation_grad``), as the ring saves them; not the gathered weights."""
+
+    @staticmethod
+    def forward(ctx, args: MLPScheduleArgs, x, *own):
+        d_size = args.weight_group.size()
+        then_backward = args.backward_follows and any(ctx.needs_input_grad)
+        with args.transport(comm.label("mlp", args.module, "forward")) as inflight:
+            full = args.first_gather(own, inflight)
+            args.post_next(inflight, backward=False, then_backward=then_backward)
+            inflight.wait(full.works)
+            h = F.linear(x, full.first, full.bias)
+            a = per_shard(args.activation, h, d_size)
+            y = torch.mm(a.reshape(-1, a.size(-1)), full.second_t)
+        ctx.args = args
+        ctx.n_shard = len(own)
+        ctx.kept = full._replace(works=[]) if args.backward_follows_at_once(then_backward) else None
+        ctx.post_at_backward = args.claim_backward_prefetch()
+        ctx.save_for_backward(x, *own, h, *([a] if args.activation_grad is not None else []))
+        return y.view(x.shape[:-1] + (args.hidden_size,))
+
+    @staticmethod
+    def backward(ctx, dy):
+        args: MLPScheduleArgs = ctx.args
+        x, *rest = ctx.saved_tensors
+        own, h, acts = rest[:ctx.n_shard], rest[ctx.n_shard], rest[ctx.n_shard + 1:]
+        d_size = args.weight_group.size()
+        dy2d = dy.reshape(-1, dy.size(-1))
+        with args.transport(comm.label("mlp", args.module, "backward")) as inflight:
+            full, ctx.kept = ctx.kept or args.first_gather(own, inflight), None
+            handed = []
+            if ctx.post_at_backward is not None:
+                handed = ctx.post_at_backward(inflight)
+                ctx.post_at_backward = None
+            args.post_next(inflight, backward=True)
+            inflight.wait(full.works)
+            d_a = torch.mm(dy2d, full.second_t.t()).view(*h.shape[:-1], -1)
+            if acts:
+                a = acts[0]
+                d_h = args.activation_grad(h, d_a)
+            else:
+                h_ = h.detach().requires_grad_()
+                with torch.enable_grad():
+                    a = per_shard(args.activation, h_, d_size)
+                (d_h,) = torch.autograd.grad(a, h_, d_a)
+            d_h2d = d_h.reshape(-1, d_h.size(-1))
+            x2d = x.reshape(-1, x.size(-1))
+            d_second_t = gemm_t(a.detach().reshape(-1, a.size(-1)), dy2d)
+            dx = torch.mm(d_h2d, full.first)
+            d_first = gemm_t(d_h2d, x2d)
+            d_bias = torch.sum(d_h2d, dim=0, dtype=torch.float32) if args.has_bias else None
+            own_grad = scatter_grads(own, d_first, d_bias, d_second_t, args.weight_group, inflight)
+            inflight.hand_over(handed)  # to the attention backward that runs next
+        return (None, dx.view_as(x), *deliver_grads(own, own_grad))

@@ -65,6 +65,9 @@ class LayerChain:
         self.layer_by_layer = False  # full recompute, one layer per checkpoint
         self.chunked = False  # full uniform recompute, several layers per checkpoint
         self.backward_follows = False  # the last module's backward runs right after its forward
+        # the model's TSP attention puts every head group in one call (each layer's forward
+        # says so): its MLPs then gather their shards (TSPMLP.shards_per_call)
+        self.short_layers = False
         self._at_forward_end: Optional[Callable[[], None]] = None
 
     def register(self, module) -> None:

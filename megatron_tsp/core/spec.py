@@ -64,6 +64,7 @@ def get_gpt_layer_tsp_spec(
     fused_norm: bool = True,
     lookahead: int = 1,
     head_groups_per_call: Union[int, str] = "auto",
+    mlp_shards_per_call: Union[int, str] = "auto",
 ) -> ModuleSpec:
     """A ``TransformerLayer`` spec with TSP attention and MLP.
 
@@ -72,7 +73,8 @@ def get_gpt_layer_tsp_spec(
     write to ``spec.submodules.self_attention.submodules.core_attention``. The layers built
     from one spec share its zigzag index cache and layer chain (:mod:`prefetch`); ``lookahead``:
     head-group shards in flight ahead of the one in use (each one more shard of memory);
-    ``head_groups_per_call``: see :func:`megatron_tsp.core.head_groups.head_groups_per_call`.
+    ``head_groups_per_call``: see :func:`megatron_tsp.core.head_groups.head_groups_per_call`;
+    ``mlp_shards_per_call``: see :meth:`megatron_tsp.core.mlp.TSPMLP.shards_per_call`.
     """
     chain = LayerChain()  # one per model, not per layer
     logging.getLogger("megatron.core.transformer.transformer_layer").addFilter(_EXPECTED_MLP_WARNING)
@@ -105,7 +107,7 @@ def get_gpt_layer_tsp_spec(
             pre_mlp_layernorm=norm,
             mlp=ModuleSpec(
                 module=TSPMLP,
-                params={"overlap_comm": overlap_comm, "chain": chain},
+                params={"overlap_comm": overlap_comm, "chain": chain, "shards_per_call": mlp_shards_per_call},
                 submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
             ),
             mlp_bda=get_bias_dropout_add,

@@ -17,7 +17,11 @@ ring-flash-attention's ``RingComm`` does:
   ``steps()``): ``start(t)`` (send the current shard to p+1, receive the next from p-1; in
   backward also the gradient accumulators), ``advance()``; backward also ``first()`` and
   ``last_hop()``, and no hop for a shard its forward kept (``last``); gradients:
-  ``grad_buffer(t)``, ``finish_grad(t, flat)``, ``own_grad()``.
+  ``grad_buffer(t)``, ``finish_grad(t, flat)``, ``own_grad()``;
+* :func:`gather_shards` (the MLP of a short layer, every shard at once, the same bytes as
+  the ring's): ``GatheredShards``, every rank's shard stacked so that one GEMM reads them;
+  gradients: :func:`scatter_grads`, a reduce-scatter in fp32 in place of the ring's
+  accumulators.
 
 The first transfer of a layer's stream may already be in flight when the layer starts: the
 layer before it started it during its last stage (:mod:`megatron_tsp.core.prefetch`). A
@@ -29,7 +33,7 @@ previous head group's until its weight gradients, which wait for its dK/dV, are 
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -315,6 +319,50 @@ class WeightRing:
             self.inflight.wait(works)
             self._own_grad.add_(acc_in)
         return self._own_grad
+
+
+class GatheredShards(NamedTuple):
+    """Every rank's shard of a linear pair (:func:`linear_pair_shard`), all-gathered in shard
+    order: the first linear's weights ``[D r, h]`` and bias ``[D r]`` (None without), whose
+    rows are the full column-parallel layer's; the second linear's transposed ``[D c, h]``,
+    the full row-parallel weight's transpose; and the gathers' works (last: a transfer)."""
+
+    first: torch.Tensor
+    bias: Optional[torch.Tensor]
+    second_t: torch.Tensor
+    works: List[dist.Work]
+
+
+def gather_shards(own: Sequence[torch.Tensor], group: dist.ProcessGroup, inflight: comm.InFlight) -> GatheredShards:
+    """Post the all-gathers of every rank's shard ``own`` = (W1, (b1), W2): one per tensor, so
+    that each arrives as one matrix; W2 travels transposed (a copy of the own shard)."""
+    works = []
+
+    def gather(local: torch.Tensor) -> torch.Tensor:
+        full = local.new_empty((group.size() * local.size(0),) + local.shape[1:])
+        works.append(comm.all_gather(full, local, group, inflight))
+        return full
+
+    first, *bias, second = own
+    return GatheredShards(gather(first), gather(bias[0]) if bias else None, gather(second.t().contiguous()), works)
+
+
+def scatter_grads(own: Sequence[torch.Tensor], d_first: torch.Tensor, d_bias: Optional[torch.Tensor],
+                  d_second_t: torch.Tensor, group: dist.ProcessGroup, inflight: comm.InFlight) -> torch.Tensor:
+    """The fp32 weight gradients of every shard (:class:`GatheredShards`' layout), summed over
+    the ranks and each rank's own shard's kept: reduce-scatters into the flat buffer of
+    ``own``'s layout (:func:`deliver_grads` takes it), W2's transposed back."""
+    flat = fp32_flat(own)
+    first, *bias, second = unpack(flat, own)
+    second_t = d_second_t.new_empty(second.t().shape)
+    works = [comm.reduce_scatter(first, d_first, group, inflight), comm.reduce_scatter(second_t, d_second_t, group,
+                                                                                         inflight)]
+    if bias:
+        works.append(comm.reduce_scatter(bias[0], d_bias, group, inflight))
+    for work in works:
+        inflight.wait(work)
+    second.copy_(second_t.t())
+    return flat
 
 
 def _exchange(group: dist.ProcessGroup, sends, recvs, inflight: Optional[comm.InFlight]) -> List[dist.Work]:

@@ -181,6 +181,10 @@ RULES: List[Rule] = [
            "tsp-no-overlap mode)", attr=None, layer="tsp"),
     _value("--tsp-head-groups-per-call", "0 (auto) or a divisor of the TSP size", _groups_per_call_ok,
            "the attention runs its D head groups in stages of that many", attr=None, layer="tsp"),
+    _value("--tsp-mlp-shards-per-call", "0 (auto), 1 (the ring) or the TSP size (every shard gathered)",
+           lambda v, d: not isinstance(v, bool) and v in ("auto", 0, 1, d),
+           "the MLP computes with one shard at a time round the ring, or with all of them at once", attr=None,
+           layer="tsp"),
     # Megatron-LM command line only
     _feature("--spec", "the TSP layer spec is chosen by --tsp-size", "drop --spec", attr=None, layer="launch"),
     _feature("--use-legacy-models", "TSP needs megatron-core models", "drop --use-legacy-models", attr=None,

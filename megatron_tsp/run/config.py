@@ -87,6 +87,9 @@ ARGUMENTS: Dict[str, Arg] = {
     "tsp_head_groups_per_call": Arg(int, 0, "TSP attention: head groups attended side by side, with one K/V gather "
                                             "and one kernel call per block (a divisor of tsp_size; 0: on a GPU the "
                                             "fewest that fill it at this sequence length, 1 on the CPU)"),
+    "tsp_mlp_shards_per_call": Arg(int, 0, "TSP MLP: weight shards computed with at once: 1 (round the ring), "
+                                           "tsp_size (every shard gathered: one GEMM each), or 0 (tsp_size where "
+                                           "the attention puts every head group in one call, else 1)"),
     "tsp_vocab": Arg(str, "auto", "TSP's embedding and output layer: table (all-gather the vocabulary table, each "
                                   "rank scores its own tokens), sequence (megatron's sequence-parallel collectives "
                                   "of the activations), auto (the one that moves fewer bytes)"),

@@ -85,7 +85,8 @@ class Mode:
             return get_gpt_block_tsp_spec(transformer_config, qk_layernorm=args.qk_layernorm,
                                           attention_backend=attention_backend, overlap_comm=self.overlap_comm,
                                           fused_norm=fused_norm, lookahead=args.tsp_lookahead,
-                                          head_groups_per_call=head_groups_setting(args))
+                                          head_groups_per_call=head_groups_setting(args),
+                                          mlp_shards_per_call=args.tsp_mlp_shards_per_call or "auto")
         if transformer_engine and transformer_engine_version() is not None:
             spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_layernorm)
             return with_ring_mlp(spec, fused_norm, self.overlap_comm) if args.ring_mlp else spec
