@@ -415,18 +415,18 @@ def _kernel_calls(tsp_size, per_call):
     return forward.calls, backward.calls
 
 
-@pytest.mark.parametrize("tsp_size,per_call", [(1, 1), (2, 1), (4, 1), (4, 2)])
+@pytest.mark.parametrize("tsp_size,per_call", [(1, 1), (2, 1), (4, 1), (4, 2), (4, 4)])
 def test_tsp_backward_runs_no_attention_forward(ranks, tsp_size, per_call):
     # per head group, in the zigzag layout with a top-left kernel (aten's CPU flash): forward,
     # rank p's chunk 2D-1-p a causal and a full block, chunk p a causal block and, but on
-    # rank 0, a full block before it; in the first and last stage cut at the edges of the
-    # rank's own key chunks, which run first (zigzag_own_keys_first). Backward
+    # rank 0, a full block before it; in the first and last stage of several cut at the
+    # edges of the rank's own key chunks, which run first (zigzag_own_keys_first). Backward
     # (zigzag_backward_blocks): chunk 2D-1-p's causal block, its full blocks before slot D
     # (but on rank D-1) and from slot D+p (on rank 0 one full block), both chunks' full block
-    # over slots D..D+p-1 (but on rank 0), and chunk p's causal block; the last head group's
-    # cut at the edges of the rank's own key chunks, which run last (zigzag_own_keys_last).
-    # At D=1 the sequence is one causal block. With several head groups per call, each stage
-    # of them makes the calls of one.
+    # over slots D..D+p-1 (but on rank 0), and chunk p's causal block; the last stage of
+    # several cut at the edges of the rank's own key chunks, which run last
+    # (zigzag_own_keys_last). At D=1 the sequence is one causal block. With several head
+    # groups per call, each stage of them makes the calls of one.
     from megatron_tsp.core.block_geometry import zigzag_blocks, zigzag_own_keys_first, zigzag_own_keys_last
 
     d, stages = tsp_size, tsp_size // per_call
@@ -434,9 +434,12 @@ def test_tsp_backward_runs_no_attention_forward(ranks, tsp_size, per_call):
         by_chunk = [[b for b in zigzag_blocks(d, rank, 1) if b[0] == q0] for q0 in (0, 1)]
         assert sum(map(len, by_chunk)) == 3 + (rank != 0)
         cut = sum(len(mine) + len(others) for mine, others in zigzag_own_keys_first(d, rank, 1, by_chunk))
-        forward_blocks = 1 if d == 1 else min(stages, 2) * cut + max(stages - 2, 0) * (3 + (rank != 0))
-        backward_blocks = 1 if d == 1 else ((stages - 1) * (3 if rank == 0 else 4 + (rank + 1 < d))
-                                            + len(zigzag_own_keys_last(d, rank, 1)[0]))
+        uncut = 3 + (rank != 0)
+        forward_blocks = (1 if d == 1 else uncut if stages == 1
+                          else 2 * cut + (stages - 2) * uncut)
+        uncut = 3 if rank == 0 else 4 + (rank + 1 < d)
+        backward_blocks = (1 if d == 1 else uncut if stages == 1
+                           else (stages - 1) * uncut + len(zigzag_own_keys_last(d, rank, 1)[0]))
         assert forward == {"forward": forward_blocks, "backward": 0}
         assert backward == {"forward": 0, "backward": backward_blocks}
 

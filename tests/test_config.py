@@ -47,6 +47,9 @@ def test_bad_files_name_the_key(tmp_path, text, message):
     (dict(tsp_size=4, tsp_head_groups_per_call=3),
      "'tsp_head_groups_per_call' (--tsp-head-groups-per-call) must be 0 (auto) or a divisor of the TSP size with "
      "--tsp-size 4 (got 3)"),
+    (dict(tsp_size=4, tsp_mlp_shards_per_call=2),
+     "'tsp_mlp_shards_per_call' (--tsp-mlp-shards-per-call) must be 0 (auto), 1 (the ring) or the TSP size (every "
+     "shard gathered) with --tsp-size 4 (got 2)"),
     (dict(tsp_size=2, tsp_lookahead=0),
      "'tsp_lookahead' (--tsp-lookahead) must be 1 or more with --tsp-size 2 (got 0)"),
     # megatron's own

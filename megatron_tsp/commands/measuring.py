@@ -53,7 +53,7 @@ def _memory_parser(sub, common) -> None:
                    help="kernel launches one layer adds, op by op, on the slowest rank (the same plans)")
     fused_norm_flag(p)
     config_flags(p, ["num_layers", "seq_length", "max_position_embeddings", "micro_batch_size",
-                      "recompute_granularity"])
+                      "recompute_granularity", "tsp_head_groups_per_call", "tsp_mlp_shards_per_call"])
     p.set_defaults(func=_cmd_memory)
 
 

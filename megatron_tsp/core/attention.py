@@ -116,7 +116,8 @@ class TSPSelfAttention(SelfAttention):
     def post_first_transfer(self, inflight: comm.InFlight):
         """Post this layer's first transfer on the poster's transport ``inflight``
         (:func:`~megatron_tsp.core.attention_schedule.post_first_shards`): :mod:`prefetch`."""
-        return post_first_shards(self.shard_tensors(), self.weight_group, self.lookahead, inflight)
+        return post_first_shards(self.shard_tensors(), self.weight_group, self.lookahead, inflight,
+                                 gathered=self.chain.short_layers)
 
     # ---- the local stage of one head group ---------------------------------------------
     def rope_tables(self, freqs: Optional[torch.Tensor], dtype: torch.dtype) -> Rope:
@@ -211,6 +212,9 @@ class TSPSelfAttention(SelfAttention):
         backend, aligned = prepare_backend(self.attention_backend, hidden_states.device, hidden_states.dtype,
                                            is_fake(hidden_states), seq_len, self.window >= 0, documents is not None,
                                            self.hidden_size_per_attention_head)
+        groups_per_call = head_groups_per_call(self.head_groups_per_call, d_size, hidden_states.size(1),
+                                               self.num_attention_heads_per_partition, chunk, hidden_states.device,
+                                               backend, planned=is_fake(hidden_states))
         if d_size == 1:
             blocks = global_blocks([0], chunk, aligned, self.window, backend, documents)
             backward_blocks = (blocks, len(blocks))
@@ -221,7 +225,10 @@ class TSPSelfAttention(SelfAttention):
         else:
             blocks = zigzag_blocks(d_size, rank, chunk, aligned)
             backward_blocks = zigzag_backward_blocks(d_size, rank, chunk)
-            own_keys_last = zigzag_own_keys_last(d_size, rank, chunk)
+            # in a pass of one stage (short S) the own keys' blocks are all that could run beside
+            # the one K/V transfer, 1/D of the attention: not worth three more calls and two merges
+            if groups_per_call < d_size:
+                own_keys_last = zigzag_own_keys_last(d_size, rank, chunk)
         starts = sorted({b[0] // chunk * chunk for b in blocks})  # a query chunk's blocks may cut it in pieces
         chunks = [(slice(q0, q0 + chunk), [(b[0] - q0, b[1] - q0, *b[2:]) for b in blocks if q0 <= b[0] < q0 + chunk])
                   for q0 in starts]
@@ -237,10 +244,8 @@ class TSPSelfAttention(SelfAttention):
             chain=self.chain, module=self, softmax_type=self.config.softmax_type, own_keys_last=own_keys_last,
             own_keys_first=own_keys_first,
             backward_follows=torch.is_grad_enabled() or self.config.recompute_granularity == "full",
-            groups_per_call=head_groups_per_call(self.head_groups_per_call, d_size, hidden_states.size(1),
-                                                 self.num_attention_heads_per_partition, chunk,
-                                                 hidden_states.device, backend, planned=is_fake(hidden_states)))
-        self.chain.short_layers = args.groups_per_call == d_size
+            groups_per_call=groups_per_call)
+        self.chain.short_layers = groups_per_call == d_size
         sink = []
         if self.config.softmax_type == "learnable":  # read, not called: its pre-hooks stand in (streaming.py)
             run_forward_pre_hooks(self.core_attention)

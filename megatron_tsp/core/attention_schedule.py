@@ -58,8 +58,15 @@ after this attention as its backward starts, where it could), then stage n-1's d
     |   time (posts its dW reduce)                    | the one   |   a dW reduce                      |
     |                                                 | before    |                                    |
 
-With plain causal attention (no window, no documents) the forward's first and last stages
-attend to this rank's own two key chunks, which need nothing to arrive, before the other
+A pass of one stage (every head group side by side, at short S on a GPU) has nothing to
+stream behind: its shards are all-gathered at once, each kind one matrix (W(0) above is
+then that gather, :class:`~megatron_tsp.core.streaming.WeightGather`), so that the QKV
+projection, dO, dx and each weight gradient are one GEMM for every head group, and the
+fp32 weight gradients reach their owners by one reduce-scatter each (``gathered``).
+
+With plain causal attention (no window, no documents) and several stages, the forward's
+first and last stages attend to this rank's own two key chunks, which need nothing to
+arrive, before the other
 ranks' (:func:`zigzag_own_keys_first`): the first stage's K/V have no earlier stage's
 compute to travel behind, and the last stage's are the last transfer of a pass that waits
 on its link, after which only their own blocks should be left. The last stage's backward
@@ -76,7 +83,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, replace
-from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple, Type
+from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple, Type, Union
 
 import torch
 import torch.distributed as dist
@@ -88,7 +95,14 @@ from megatron_tsp.core.block_geometry import rank_slots
 from megatron_tsp.core.gemm import gemm, gemm_t, linear_into
 from megatron_tsp.core.kv import GatherKV, ScatterKVGrads, grad_buffer, send_buffer
 from megatron_tsp.core.prefetch import LayerChain
-from megatron_tsp.core.streaming import WeightBroadcast, deliver_grads, unpack
+from megatron_tsp.core.streaming import (
+    GatheredShards,
+    WeightBroadcast,
+    WeightGather,
+    deliver_grads,
+    gather_shards,
+    unpack,
+)
 
 Rope = Optional[Tuple[torch.Tensor, ...]]
 
@@ -139,6 +153,12 @@ class AttentionScheduleArgs:
     def stages(self) -> int:
         return self.tsp_group.size() // self.groups_per_call
 
+    @property
+    def gathered(self) -> bool:
+        """One stage of every head group: the shards are all-gathered, each kind one matrix
+        (:class:`~megatron_tsp.core.streaming.WeightGather`), and each projection is one GEMM."""
+        return self.stages == 1 and self.tsp_group.size() > 1
+
     def stage_groups(self, s: int) -> range:
         """The head groups of stage s, attended in one call per block (past the last stage:
         head groups no rank has, which no stream posts)."""
@@ -156,24 +176,37 @@ def group_columns(t: torch.Tensor, j: int, args: AttentionScheduleArgs) -> torch
 
 
 def post_first_shards(own: Sequence[torch.Tensor], weight_group: dist.ProcessGroup, lookahead: int,
-                      inflight: Optional[comm.InFlight] = None):
+                      inflight: Optional[comm.InFlight] = None, gathered: bool = False):
     """A pass's first transfer: the broadcasts of head groups 0..lookahead's shards
-    (``({r: (buffer, work)}, works)``; None on one rank). The module before posts it during
-    its last stage where it can (:mod:`prefetch`; registered with its transport
+    (``({r: (buffer, work)}, works)``; None on one rank), or with ``gathered`` every shard's
+    all-gathers (:func:`~megatron_tsp.core.streaming.gather_shards`). The module before posts
+    it during its last stage where it can (:mod:`prefetch`; registered with its transport
     ``inflight``), else the pass itself (:func:`weight_stream`)."""
     if weight_group.size() == 1:
         return None
+    if gathered:
+        return gather_shards(own, weight_group, inflight)
     posted = {r: WeightBroadcast.post(own, weight_group, r, inflight)
               for r in range(min(1 + lookahead, weight_group.size()))}
     return posted, [work for _, work in posted.values()]
 
 
-def weight_stream(args: AttentionScheduleArgs, own: Sequence[torch.Tensor], inflight: comm.InFlight
-                  ) -> WeightBroadcast:
-    """A pass's broadcast stream with the shards of stages 0..lookahead posted: its first
-    transfer taken from the module before where it posted it, the rest now."""
-    first = args.chain.take(args.module) or post_first_shards(own, args.weight_group, args.lookahead)
-    stream = WeightBroadcast(own, args.weight_group, inflight, first=first)
+def weight_stream(args: AttentionScheduleArgs, own: Sequence[torch.Tensor], inflight: comm.InFlight):
+    """A pass's weight stream: the broadcasts (:class:`WeightBroadcast`) with the shards of
+    stages 0..lookahead posted, or every shard's gathers (:class:`WeightGather`, where the
+    pass is one stage); its first transfer taken from the module before where it posted it
+    (one of the other kind, posted before the chain knew the layers' length, is waited for
+    and dropped), the rest now."""
+    first = args.chain.take(args.module)
+    if first is not None and isinstance(first, GatheredShards) != args.gathered:
+        comm.finish(first[-1])
+        first = None
+    if args.gathered:
+        stream = WeightGather(own, args.weight_group, inflight, first=first)
+        stream.start()
+        return stream
+    stream = WeightBroadcast(own, args.weight_group, inflight,
+                             first=first or post_first_shards(own, args.weight_group, args.lookahead))
     for r in range(args.groups_per_call * (1 + args.lookahead)):
         stream.start(r)
     return stream
@@ -287,7 +320,7 @@ class ForwardPass:
         self.args, self.x, self.stream, self.inflight, self.sinks = args, x, stream, inflight, sinks
         own, d_size = stream.own, args.tsp_group.size()
         self.out = x.new_empty(x.shape[:2] + (args.width,))
-        self.proj = own[-1] if d_size == 1 else own[-1].new_empty(own[-1].size(0), args.width)
+        self.proj = own[-1] if d_size == 1 or args.gathered else own[-1].new_empty(own[-1].size(0), args.width)
         self.projections: List[Optional[torch.Tensor]] = [None] * args.stages
         self.lses: List[torch.Tensor] = []
 
@@ -300,7 +333,11 @@ class ForwardPass:
         waited for, and letting each go once read), then the stage's norms and RoPE at once,
         K and V into the gather's send buffer; its K/V gather posted."""
         args, mixed = self.args, None
-        for j, r in enumerate(args.stage_groups(s)):
+        if args.gathered:  # one GEMM for every head group; the projection's weight, gathered, is Wproj^T
+            full = self.stream.gathered()
+            mixed = F.linear(self.x, full.first, full.bias)
+            self.proj = full.second_t.t()
+        for j, r in enumerate(() if args.gathered else args.stage_groups(s)):
             self.stream.start(r + args.lookahead * args.groups_per_call)
             shard = self.stream.wait(r)
             if mixed is None:
@@ -420,12 +457,13 @@ def post_backward_regathers(ctx, inflight: comm.InFlight) -> List[dist.Work]:
 class StageGrads(NamedTuple):
     """Backward, one stage after its attention backward: its head groups' weight shards,
     dq, its dK/dV being reduce-scattered to the token owners, and per head group the fp32
-    buffer its weight gradients go into (the output projection's is written already). The
+    buffer its weight gradients go into (the output projection's is written already); in a
+    pass of one stage (``gathered``) every shard gathered and every head group's dWproj^T. The
     last stage's blocks against this rank's own keys may be still to run (``own_keys``:
     runs them into the buffer it is given; :meth:`BackwardPass.weights`)."""
 
     s: int
-    shards: List[List[torch.Tensor]]
+    shards: Union[List[List[torch.Tensor]], GatheredShards]
     inputs: StageInputs
     dq: torch.Tensor
     dkv: ScatterKVGrads
@@ -463,14 +501,20 @@ class BackwardPass:
     def attention(self, s: int, inputs: StageInputs) -> StageGrads:
         args = self.args
         groups = args.stage_groups(s)
-        shards = [self.stream.wait(r) for r in groups]
-        flats = []
-        for r in groups:
-            flats.append(self.stream.grad_buffer())
-            gemm_t(self.dy2d, self.out2d[:, args.columns(r)], out=unpack(flats[-1], self.saved.own)[-1])  # dWproj_r
-        d_out = self.dy.new_empty(self.dy.shape[:2] + (len(shards) * shards[0][-1].size(1),))
-        for j, shard in enumerate(shards):
-            torch.mm(self.dy2d, shard[-1], out=group_columns(d_out, j, args).view(self.dy2d.size(0), -1))
+        if args.gathered:  # every head group's dWproj^T and dO, one GEMM each
+            shards = self.stream.gathered()
+            flats = [gemm_t(self.out2d, self.dy2d)]
+            d_out = torch.mm(self.dy2d, shards.second_t.t())
+        else:
+            shards = [self.stream.wait(r) for r in groups]
+            flats = []
+            for r in groups:
+                flats.append(self.stream.grad_buffer())
+                # dWproj_r
+                gemm_t(self.dy2d, self.out2d[:, args.columns(r)], out=unpack(flats[-1], self.saved.own)[-1])
+            d_out = self.dy.new_empty(self.dy.shape[:2] + (len(shards) * shards[0][-1].size(1),))
+            for j, shard in enumerate(shards):
+                torch.mm(self.dy2d, shard[-1], out=group_columns(d_out, j, args).view(self.dy2d.size(0), -1))
         d_out = d_out.view(self.dy.shape[:2] + (-1, args.head_dim))
         out = self.saved.out[..., args.stage_columns(s)].view(d_out.shape)
         keys, values = inputs.kv.wait()
@@ -556,6 +600,13 @@ class BackwardPass:
                                                 (g.dq, dk.to(key.dtype), dv.to(value.dtype)))
         for acc, d in zip(self.d_replicated, d_norms):
             acc += d
+        if self.args.gathered:  # dx and every head group's dWqkv, one GEMM each, reduce-scattered to the owners
+            d_mixed2d = d_mixed.reshape(-1, d_mixed.size(-1))
+            self.dx = torch.mm(d_mixed2d, g.shards.first)
+            self.stream.scatter(gemm_t(d_mixed2d, self.x2d),
+                                torch.sum(d_mixed2d, dim=0, dtype=torch.float32) if self.args.has_bias else None,
+                                g.flats[0])
+            return
         for j, r in enumerate(self.args.stage_groups(g.s)):
             d_mixed2d = group_columns(d_mixed, j, self.args).reshape(-1, d_mixed.size(-1) // self.args.groups_per_call)
             self.dx = gemm(d_mixed2d, g.shards[j][0], out=self.dx, accumulate=self.dx is not None)

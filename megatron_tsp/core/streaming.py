@@ -365,6 +365,37 @@ def scatter_grads(own: Sequence[torch.Tensor], d_first: torch.Tensor, d_bias: Op
     return flat
 
 
+class WeightGather:
+    """Every rank's shard at once, for a schedule whose one stage computes with all of them
+    (TSP attention with every head group in one call): ``start()`` posts
+    :func:`gather_shards` (unless ``first``, posted by the module before, :mod:`prefetch`),
+    ``gathered()`` waits for it; ``scatter(...)`` reduce-scatters the fp32 gradients
+    (:func:`scatter_grads`) and ``own_grad()`` returns this rank's."""
+
+    def __init__(self, own: Sequence[torch.Tensor], group: dist.ProcessGroup, inflight: comm.InFlight,
+                 first: Optional[GatheredShards] = None):
+        self.own, self.group, self.inflight = list(own), group, inflight
+        self._full = first
+        if first is not None:
+            inflight.add(first.works)
+        self._own_grad: Optional[torch.Tensor] = None
+
+    def start(self, r: int = 0) -> None:
+        if self._full is None:
+            self._full = gather_shards(self.own, self.group, self.inflight)
+
+    def gathered(self) -> GatheredShards:
+        self.start()
+        self.inflight.wait(self._full.works)
+        return self._full
+
+    def scatter(self, d_first: torch.Tensor, d_bias: Optional[torch.Tensor], d_second_t: torch.Tensor) -> None:
+        self._own_grad = scatter_grads(self.own, d_first, d_bias, d_second_t, self.group, self.inflight)
+
+    def own_grad(self) -> torch.Tensor:
+        return self._own_grad
+
+
 def _exchange(group: dist.ProcessGroup, sends, recvs, inflight: Optional[comm.InFlight]) -> List[dist.Work]:
     """Post point-to-point sends and receives with ring neighbours (offsets +1/-1 in the group)."""
     size, rank = group.size(), group.rank()
