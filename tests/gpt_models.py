@@ -102,8 +102,13 @@ def setup(mode, model="modern", tsp=1, tp=1, cp=1, pp=1, recompute=None, overlap
     ``config_overrides`` go to the TransformerConfig; ``ep``: mixture-of-experts, its experts
     over ``ep`` model-parallel ranks, each whole; ``vocab``: TSP's vocabulary layout
     (:mod:`megatron_tsp.core.vocab`); ``tied``: the output layer shares the
-    embedding's weight. The one builder of the tests' GPT models."""
+    embedding's weight; ``cp-fsdp``: CP ``cp`` under megatron's torch FSDP2 (untied, as
+    Megatron-LM requires, and no distributed optimizer). The one builder of the tests' GPT models."""
     size = tsp if mode == "tsp" else tp
+    fsdp = mode == "cp-fsdp"
+    if fsdp:
+        tied, use_distributed_optimizer = False, False
+        config_overrides.setdefault("transformer_impl", "local")
     ring = mode.endswith("-ring") or ring_mlp  # ring_mlp: beside context parallelism (tp-cp)
     experts = {} if ep is None else dict(expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
     if init and mode == "tsp":
@@ -137,7 +142,7 @@ def setup(mode, model="modern", tsp=1, tp=1, cp=1, pp=1, recompute=None, overlap
     model_parallel_cuda_manual_seed(SEED)
     chunks = training.build_model(
         config, spec, VOCAB, torch.device("cpu"), SEQ, position_embedding_type=position_embedding_type,
-        share_embeddings_and_output_weights=tied,
+        share_embeddings_and_output_weights=tied, fsdp=fsdp,
         ddp_config=DistributedDataParallelConfig(use_distributed_optimizer=use_distributed_optimizer,
                                                  overlap_grad_reduce=overlap_grad_reduce,
                                                  grad_reduce_in_fp32=grad_reduce_in_fp32),

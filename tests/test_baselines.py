@@ -39,6 +39,34 @@ def test_tp_cp_baseline_matches_on_rope_gqa_swiglu(ranks, modern_reference, tp, 
         assert_history_close(history, modern_reference)
 
 
+@pytest.fixture(scope="module")
+def untied_references(ranks):
+    return {model: ranks(1, run, "single", model, tied=False)[0] for model in ("classic", "modern")}
+
+
+def _shard_fraction(cp):
+    """This rank's share of the cp-fsdp model's parameters, and of all of them together."""
+    import torch.distributed as dist
+    from gpt_models import setup
+
+    chunks, _, _ = setup("cp-fsdp", "modern", cp=cp)
+    params = list(chunks[0].parameters())
+    local = sum(p.to_local().numel() for p in params)
+    return local / sum(p.numel() for p in params), dist.get_world_size()
+
+
+@pytest.mark.parametrize("model,cp", [("modern", 2), ("classic", 4)])
+def test_cp_with_fully_sharded_weights_matches_single_process(ranks, untied_references, model, cp):
+    """cp-fsdp: context parallelism over D ranks, its weights, gradients and optimizer state
+    sharded over the same ranks by megatron's torch FSDP2 wrapper (Megatron-LM's
+    --use-torch-fsdp2; untied, as it requires): every step's loss and grad norm as world=1,
+    each rank holding about 1/D of the parameters."""
+    for history in ranks(cp, run, "cp-fsdp", model, cp=cp):
+        assert_history_close(history, untied_references[model])
+    for fraction, world in ranks(cp, _shard_fraction, cp):
+        assert world == cp and abs(fraction - 1 / cp) < 0.05 / cp
+
+
 @pytest.mark.parametrize("mode", ["tp-sp-ring", "tp-ring"])
 @pytest.mark.parametrize("model", ["classic", "modern"])  # GeLU/MHA/LayerNorm/bias, SwiGLU/GQA/RMSNorm/RoPE
 def test_ring_mlp_in_tensor_parallel_models_matches_single_process(ranks, reference, modern_reference, mode,

@@ -73,6 +73,8 @@ def transformer_config(args, device: Device) -> TransformerConfig:
         use_cpu_initialization=args.use_cpu_initialization or not device.is_gpu,
         bias_activation_fusion=False,
         masked_softmax_fusion=False,  # no megatron softmax: every mode attends with block_attention
+        # the layers' kind, which torch FSDP2 wraps by (local: each layer whole, not its linears)
+        transformer_impl="transformer_engine" if args.transformer_engine_spec else "local",
         **recompute,
     )
 
@@ -160,6 +162,7 @@ def build(args, device: Device, mode: Optional[Mode] = None, attention_backend: 
         args.max_position_embeddings,
         position_embedding_type=args.position_embedding_type,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        fsdp=args.use_torch_fsdp2,
         ddp_config=DistributedDataParallelConfig(
             use_distributed_optimizer=args.use_distributed_optimizer,
             overlap_grad_reduce=args.overlap_grad_reduce,

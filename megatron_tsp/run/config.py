@@ -99,6 +99,9 @@ ARGUMENTS: Dict[str, Arg] = {
     "context_parallel_size": Arg(int, 1, "context parallel size"),
     "pipeline_model_parallel_size": Arg(int, 1, "pipeline parallel size"),
     "use_distributed_optimizer": _b("shard optimizer state over data parallel"),
+    "use_torch_fsdp2": _b("torch FSDP2 (megatron's TorchFullyShardedDataParallel, as Megatron-LM's --use-torch-fsdp2): "
+                          "parameters, gradients and optimizer state sharded over the data-parallel x "
+                          "context-parallel ranks, each layer's weights all-gathered as it runs"),
     "overlap_grad_reduce": _b("overlap DP gradient reduce with backward"),
     "overlap_param_gather": _b("overlap DP parameter gather with forward (distributed optimizer)"),
     "ddp_bucket_size": Arg(int, None, "parameters per DP communication bucket (default: megatron's, "
@@ -405,6 +408,16 @@ def check_combinations(ns: argparse.Namespace) -> None:
         (ns.lr_warmup_iters < ns.lr_decay_iters, "lr_warmup_iters",
          f"must be below lr_decay_iters {ns.lr_decay_iters} (default: train_iters, here {ns.train_iters}); "
          "lower the warm-up or raise --train-iters / --lr-decay-iters"),
+        *((not bad, "use_torch_fsdp2", why) for bad, why in (
+            (ns.pipeline_model_parallel_size > 1, "is not supported with pipeline parallelism (as in Megatron-LM)"),
+            (ns.use_distributed_optimizer, "shards the optimizer state itself: set use_distributed_optimizer false "
+                                           "(as in Megatron-LM)"),
+            (not ns.untie_embeddings_and_output_weights, "needs untie_embeddings_and_output_weights (as in "
+                                                         "Megatron-LM)"),
+            (ns.fp16, "is not supported with fp16 (as in Megatron-LM); use bf16"),
+            (layout.tsp > 1, "applies to the baselines; TSP shards its weights itself"),
+            (ns.num_experts, "is not supported with experts (as in Megatron-LM)"),
+        ) if ns.use_torch_fsdp2),
         (not ns.overlap_param_gather or (ns.use_distributed_optimizer and ns.overlap_grad_reduce),
          "overlap_param_gather", "needs use_distributed_optimizer and overlap_grad_reduce (as in Megatron-LM)"),
         (not (ns.transformer_engine_spec and layout.tsp > 1), "transformer_engine_spec",

@@ -27,7 +27,8 @@ from megatron_tsp.env import transformer_engine_version
 from megatron_tsp.errors import ConfigError
 from megatron_tsp.run import config
 
-PARALLEL_KEYS = ("tsp_size", "tensor_model_parallel_size", "context_parallel_size", "sequence_parallel", "ring_mlp")
+PARALLEL_KEYS = ("tsp_size", "tensor_model_parallel_size", "context_parallel_size", "sequence_parallel", "ring_mlp",
+                 "use_torch_fsdp2")
 
 
 @dataclass(frozen=True)
@@ -132,6 +133,12 @@ MODES: Dict[str, Mode] = {m.name: m for m in (
     Mode("tp-cp", _tp_cp, hides_with_te=("tp", "cp"), behind_attention=("cp",),
          unlike="reduce-scatters dK/dV in the model's dtype, as TransformerEngine's all-gather context parallelism "
                 "does (TSP sums them in fp32)"),
+    # CP D with the weights, gradients and optimizer state fully sharded over the same D ranks
+    # (torch FSDP2, Megatron-LM's --use-torch-fsdp2): 1/D of the weights and the tokens, as TSP
+    Mode("cp-fsdp", lambda d, cp: dict(context_parallel_size=d, use_torch_fsdp2=True, use_distributed_optimizer=False),
+         hides=("dp_cp",), hides_with_te=("cp",), behind_attention=("cp",),
+         unlike="all-gathers each layer's whole weights (torch FSDP2) and reduce-scatters their gradients in the "
+                "model's dtype; reduce-scatters dK/dV in the model's dtype (TSP sums both in fp32)"),
     # TP D + SP with TSP's ring MLP (--ring-mlp): the MLP moves weights, the attention is TP+SP's
     Mode("tp-sp-ring", lambda d, cp: dict(tensor_model_parallel_size=d, sequence_parallel=True, ring_mlp=True),
          hides=("tsp_weight",), hides_with_te=("tp",)),
@@ -199,6 +206,6 @@ def of(args) -> Mode:
     if args.tsp_size > 1:
         return MODES["tsp"]
     if args.context_parallel_size > 1:
-        return MODES["tp-cp"]
+        return MODES["cp-fsdp" if args.use_torch_fsdp2 and args.tensor_model_parallel_size == 1 else "tp-cp"]
     ring = "-ring" if args.ring_mlp else ""
     return MODES[("tp-sp" if args.sequence_parallel else "tp") + ring]

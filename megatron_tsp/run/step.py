@@ -18,6 +18,7 @@ from megatron.core import parallel_state as mpu
 from megatron.core.distributed import (
     DistributedDataParallel,
     DistributedDataParallelConfig,
+    TorchFullyShardedDataParallel,
     finalize_model_grads,
 )
 from megatron.core.models.gpt import GPTModel
@@ -27,6 +28,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_tsp.core.documents import document_params
+from megatron_tsp.run.upstream import fix_torch_fsdp2_grad_sync
 
 Batch = Dict[str, Optional[torch.Tensor]]
 
@@ -52,9 +54,12 @@ def build_model(
     position_embedding_type: str = "rope",
     share_embeddings_and_output_weights: bool = True,
     ddp_config: Optional[DistributedDataParallelConfig] = None,
+    fsdp: bool = False,
 ) -> List[DistributedDataParallel]:
-    """One ``GPTModel`` for this pipeline stage on ``device``, wrapped in megatron DDP (a list
-    of chunks). With ``config.use_cpu_initialization`` the model is built on the CPU and, as
+    """One ``GPTModel`` for this pipeline stage on ``device``, wrapped in megatron DDP, or with
+    ``fsdp`` in megatron's torch FSDP2 wrapper over the data-parallel x context-parallel ranks
+    (Megatron-LM's ``--use-torch-fsdp2``: each layer's weights all-gathered as it runs), a list
+    of chunks. With ``config.use_cpu_initialization`` the model is built on the CPU and, as
     Megatron-LM's ``get_model`` does, moved to the device before DDP lays its parameters and
     gradients out in buffers there; otherwise every tensor must have been created there (a
     module that initialises on the CPU and is moved afterwards costs the host the full
@@ -82,6 +87,9 @@ def build_model(
     # Float16Module would only cast them again (and cannot, under the memory planner's
     # FakeTensorMode).
     ddp_config = ddp_config or DistributedDataParallelConfig()
+    if fsdp:  # every rank built the same weights (one seed, CPU initialisation); each keeps its shard
+        fix_torch_fsdp2_grad_sync()
+        return [TorchFullyShardedDataParallel(config, ddp_config, model)]
     ddp = DistributedDataParallel(config, ddp_config, model)
     # Same initial weights on every data-parallel replica, as Megatron-LM does.
     ddp.broadcast_params()
@@ -89,8 +97,8 @@ def build_model(
 
 
 def unwrap(chunk: torch.nn.Module) -> GPTModel:
-    """The GPTModel inside DDP."""
-    while isinstance(chunk, DistributedDataParallel):
+    """The GPTModel inside DDP or FSDP."""
+    while isinstance(chunk, (DistributedDataParallel, TorchFullyShardedDataParallel)):
         chunk = chunk.module
     return chunk
 

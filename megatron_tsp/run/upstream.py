@@ -8,6 +8,7 @@ shims (:mod:`compat`, :mod:`compat_megatron_lm`) and the Megatron-LM integration
 | TORCH_ADAM_FIXES                      | torch Adam's per-parameter ``step`` at load     | 0.16, 0.19    | (1)        |
 | checkpoint_writers_outlive_sigterm    | SIGTERM kills the writers' queue mid-save       | 0.16, 0.19    | (2)        |
 | fix_moe_without_transformer_engine    | the MoE router's NameError without TE           | below 0.19    | (3)        |
+| fix_torch_fsdp2_grad_sync             | --use-torch-fsdp2's first gradient sync fails   | below 0.19    | (5)        |
 | core.moe.SequenceShardedMoELayer      | experts at EP 1, ETP < TP: own tokens' grads    | below 0.19    | (4)        |
 
 (1) :func:`fix_optimizer_checkpoints`, by ``checkpointing.save`` and ``load`` and by
@@ -15,7 +16,8 @@ shims (:mod:`compat`, :mod:`compat_megatron_lm`) and the Megatron-LM integration
 TransformerEngine's nor apex's optimizer. (2) ``checkpointing.save``,
 ``megatron_lm_run.prepare_device``. (3) ``build.initialize`` of a model with experts,
 ``compat.enable_cpu_support``. (4) ``core/spec.stage_layers``: the class is in ``core``, which
-imports no ``run`` module, and is listed here only.
+imports no ``run`` module, and is listed here only. (5) ``step.build_model`` of a torch FSDP2
+model (the cp-fsdp mode).
 
 Each fix says what megatron-core does wrong and why the fix is right. The releases come from
 reading megatron-core 0.16.1's and 0.19.2's sources: a fix of "0.16, 0.19" runs on those only,
@@ -261,6 +263,23 @@ def checkpoint_writers_outlive_sigterm() -> None:
         manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
         manager.start(initializer=signal.signal, initargs=(signal.SIGTERM, signal.SIG_IGN))
         filesystem_async._results_queue = manager.Queue()  # the proxy keeps its manager
+
+
+def fix_torch_fsdp2_grad_sync() -> None:
+    """megatron-core's ``finalize_model_grads`` calls every chunk's
+    ``finish_grad_sync(force_all_reduce=...)``, which ``TorchFullyShardedDataParallel`` (its
+    base class's, a no-op) does not take below 0.19: a ``--use-torch-fsdp2`` model fails at
+    its first step's gradient sync. 0.19 gives the class the argument and ignores it (FSDP2
+    reduce-scatters the gradients in its own backward hooks); below 0.19 the class gets that
+    method. Idempotent; every device."""
+    if versions.at_least(0, 19):
+        return
+    from megatron.core.distributed.torch_fully_sharded_data_parallel import TorchFullyShardedDataParallel
+
+    def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
+        """FSDP2's gradients are reduce-scattered by its backward hooks: nothing to finish."""
+
+    TorchFullyShardedDataParallel.finish_grad_sync = finish_grad_sync
 
 
 # ---- mixture of experts -------------------------------------------------------------------------
