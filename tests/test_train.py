@@ -244,6 +244,34 @@ def test_a_run_that_needs_many_epochs_of_its_corpus_says_so(tmp_path):
         "every token is seen that often"], out.stderr
 
 
+def test_cp_with_fully_sharded_weights_trains_from_tsps_first_loss(ranks, tmp_path, uninterrupted):
+    """`megatron-tsp train --tsp-size 1 --context-parallel-size 2 --use-torch-fsdp2
+    --no-use-distributed-optimizer` (the cp-fsdp mode: megatron's torch FSDP2 over the CP
+    ranks; untied, as Megatron-LM requires it) starts from the loss TSP2 and TP2+SP start
+    from on the same untied model, and trains."""
+    from megatron_tsp.cli import build_parser
+    from megatron_tsp.run import config, modes
+
+    ns = build_parser().parse_args(["train", TINY, "--tsp-size", "1", "--context-parallel-size", "2",
+                                    "--use-torch-fsdp2", "--no-use-distributed-optimizer",
+                                    "--untie-embeddings-and-output-weights"])
+    layout = config.overrides(ns)
+    assert modes.of(config.resolve(dict(config.load_config(TINY), **layout))).name == "cp-fsdp"
+    untied = dict(untie_embeddings_and_output_weights=True)
+    losses = {}
+    for name, run in (("cp-fsdp", dict(layout, train_iters=3)), ("tsp", dict(untied, train_iters=1)),
+                      ("tp-sp", dict(untied, tsp_size=1, tensor_model_parallel_size=2, sequence_parallel=True,
+                                     train_iters=1))):
+        log = tmp_path / f"{name}.jsonl"
+        ranks(2, _train_logged, run, tmp_path, log)
+        records = _records(log)
+        assert {r["mode"] for r in records} == {name}
+        losses[name] = [r["loss"] for r in records]
+    for name in ("tsp", "tp-sp"):
+        assert abs(losses["cp-fsdp"][0] - losses[name][0]) <= 1e-5 * losses[name][0], losses
+    assert losses["cp-fsdp"][-1] < losses["cp-fsdp"][0]
+
+
 DOCUMENTS = dict(reset_attention_mask=True, reset_position_ids=True, eod_mask_loss=True)
 
 

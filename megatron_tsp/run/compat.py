@@ -101,7 +101,8 @@ SHIMS: Sequence[Rewrite] = (
             ((f"device={_CUDA}", 'device="cpu"'),), "utils.py:1207"),
     # torch FSDP2 (--use-torch-fsdp2, the cp-fsdp mode): its device mesh is made on cuda.
     Rewrite("megatron.core.distributed.torch_fully_sharded_data_parallel", "TorchFullyShardedDataParallel.__init__",
-            (('DeviceMesh.from_group(self.process_group, "cuda")', 'DeviceMesh.from_group(self.process_group, "cpu")'),),
+            (('DeviceMesh.from_group(self.process_group, "cuda")',
+              'DeviceMesh.from_group(self.process_group, "cpu")'),),
             "distributed/torch_fully_sharded_data_parallel.py:81"),
     # The CUDA RNG tracker: same bookkeeping, CPU generator.
     Rewrite("megatron.core.tensor_parallel.random", "CudaRNGStatesTracker.add",

@@ -417,6 +417,8 @@ def check_combinations(ns: argparse.Namespace) -> None:
             (ns.fp16, "is not supported with fp16 (as in Megatron-LM); use bf16"),
             (layout.tsp > 1, "applies to the baselines; TSP shards its weights itself"),
             (ns.num_experts, "is not supported with experts (as in Megatron-LM)"),
+            (ns.save or ns.load, "checkpoints are not implemented for it here (Megatron-LM writes them with "
+                                 "--ckpt-format torch_dist); drop --save and --load"),
         ) if ns.use_torch_fsdp2),
         (not ns.overlap_param_gather or (ns.use_distributed_optimizer and ns.overlap_grad_reduce),
          "overlap_param_gather", "needs use_distributed_optimizer and overlap_grad_reduce (as in Megatron-LM)"),
@@ -485,6 +487,8 @@ def add_arguments(parser: argparse.ArgumentParser, keys: Optional[Iterable[str]]
                                 help=f"turn off: {arg.help}")
         elif arg.type is bool:
             parser.add_argument(_flag(key), dest=key, action="store_const", const=True, default=None, help=arg.help)
+            parser.add_argument("--no-" + _flag(key)[2:], dest=key, action="store_const", const=False,
+                                help=f"turn off {_flag(key)} where a config turns it on")
         elif arg.type is list:
             parser.add_argument(_flag(key), dest=key, nargs="+", default=None, help=arg.help)
         else:
