@@ -60,7 +60,8 @@ def _phase() -> str:
 
 class _Recorder:
     """Counts of one :func:`count_collectives` block. Its methods are the hooks, one per
-    ``torch.distributed`` call (:data:`HOOKS`), each called with that call's arguments;
+    ``torch.distributed`` call (:data:`HOOKS`), each called with that call's arguments in
+    torch's order (those past the ones a hook reads, ``async_op``, in ``*_``);
     bytes follow :func:`megatron_tsp.core.comm.traffic`."""
 
     def __init__(self, on_output: Optional[Callable[[torch.Tensor], None]]):
@@ -84,28 +85,29 @@ class _Recorder:
             for x in t if isinstance(t, (list, tuple)) else [t]:
                 self.on_output(x)
 
-    def all_gather(self, output, inp, group=None, **kw):
+    def all_gather(self, output, inp, group=None, *_, **kw):
         self.collective("all_gather", logical_bytes(inp), group)
         self.received(output)
 
-    def reduce_scatter(self, output, inp, op=None, group=None, **kw):
+    def reduce_scatter(self, output, inp, op=None, group=None, *_, **kw):
         self.collective("reduce_scatter", logical_bytes(output), group)
         self.received(output)
 
-    def all_reduce(self, tensor, op=None, group=None, **kw):
+    def all_reduce(self, tensor, op=None, group=None, *_, **kw):
         self.collective("all_reduce", logical_bytes(tensor), group)
 
-    def broadcast(self, tensor, src=None, group=None, **kw):
+    def broadcast(self, tensor, src=None, group=None, *_, **kw):
         is_src = kw.get("group_src", None) == dist.get_rank(group) if src is None else src == dist.get_rank()
         self.collective("broadcast", logical_bytes(tensor), group, root=is_src)
         if not is_src:
             self.received(tensor)
 
-    def reduce(self, tensor, dst=None, op=None, group=None, **kw):
+    def reduce(self, tensor, dst=None, op=None, group=None, *_, **kw):
         is_dst = kw.get("group_dst", None) == dist.get_rank(group) if dst is None else dst == dist.get_rank()
         self.collective("reduce", logical_bytes(tensor), group, root=is_dst)
 
-    def all_to_all_single(self, output, inp, output_split_sizes=None, input_split_sizes=None, group=None, **kw):
+    def all_to_all_single(self, output, inp, output_split_sizes=None, input_split_sizes=None, group=None, *_,
+                          **kw):
         size, rank = dist.get_world_size(group), dist.get_rank(group)
 
         def foreign(t, splits):  # the bytes of ``t`` that are not this rank's own slice

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -66,10 +67,15 @@ def replaced(wrap: Callable[[str, Any], Any], names: Sequence[str]) -> Iterator[
 
 def observed(before: Callable[..., None], names: Sequence[str]):
     """Inside the block, every ``torch.distributed`` call of ``names`` calls ``before(name,
-    *args, **kwargs)`` first, called by that name or through one megatron bound at import."""
+    *args, **kwargs)`` first, called by that name or through one megatron bound at import;
+    ``before`` gets the arguments in the order of torch's signature, whichever of them the
+    caller named (torch FSDP2 names ``output`` and ``input``)."""
     def wrap(name, original):
+        signature = inspect.signature(original)
+
         def wrapper(*args, **kwargs):
-            before(name, *args, **kwargs)
+            bound = signature.bind(*args, **kwargs)
+            before(name, *bound.args, **bound.kwargs)
             return original(*args, **kwargs)
 
         wrapper.__wrapped__ = original
