@@ -166,3 +166,43 @@ def test_formula_is_korthikantis_for_a_gpt_layer():
     assert sum(formula.values()) == 32 * s * b * h / t + 4 * s * b * a / t
     tsp = memory.activation_terms(config.resolve(get_mode("tsp").values(MODELS["gelu-mha"])), "tsp")["formula"]
     assert sum(formula.values()) - sum(tsp.values()) == 2 * s * b * args.ffn_hidden_size / t  # the fc2 input
+
+
+def _fsdp_traffic(values):
+    """One real cp-fsdp step's collectives (after one step, as in steady state): group ->
+    phase -> primitive -> counts."""
+    from megatron_tsp.measure import counts
+    from megatron_tsp.run.build import initialize, stepper
+
+    args = get_mode("cp-fsdp").args(values)
+    initialize(args, CPU)
+    one_step = stepper(args, CPU, get_mode("cp-fsdp"), clip_grad=0.0)
+    one_step()
+    with counts.count_collectives() as records:
+        one_step()
+    return counts.as_dict(records)
+
+
+def test_planned_fsdp_moves_what_a_real_fsdp_step_moves(ranks):
+    """cp-fsdp is planned from DDP's plan of its layers (measure/fsdp.py): its parameters and
+    gradients are 1/D of the model's, and the traffic it models on the FSDP group is what a
+    real step of megatron's torch FSDP2 wrapper moves there: every unit gathered in forward and
+    again in backward, every unit's gradient reduce-scattered (to FSDP2's padding of shards)."""
+    values = _values(untie_embeddings_and_output_weights=True, use_distributed_optimizer=False, tsp_size=1,
+                     context_parallel_size=2)
+    real = ranks(2, _fsdp_traffic, values)[0]["dp_cp"]
+    planned = memory.plan(values, "cp-fsdp", cp=2)
+    units = planned["fsdp"]["unit_bytes"]
+    total = sum(units["layers"]) + units["embedding"] + units["root"]
+    assert planned["by_category_gib"]["parameters"] == pytest.approx(total / 2 / memory.GIB)
+    assert planned["by_category_gib"]["gradients"] == pytest.approx(total / 2 / memory.GIB)
+    model = planned["comm"]["dp_cp"]
+    # besides, the real step all-reduces its gradient norm there (a scalar the planner does not compute)
+    assert {(ph, p) for ph, prims in real.items() for p in prims if p != "all_reduce"} == \
+        {(ph, p) for ph, prims in model.items() for p in prims}
+    for phase, prims in model.items():
+        for primitive, entry in prims.items():
+            got = real[phase][primitive]
+            assert got["calls"] == entry["calls"], (phase, primitive, got, entry)
+            assert abs(got["bytes_received"] - entry["bytes_received"]) <= 0.01 * entry["bytes_received"], \
+                (phase, primitive, got, entry)

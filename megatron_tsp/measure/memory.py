@@ -39,7 +39,7 @@ from megatron_tsp.core.parallel_state import destroy_model_parallel
 from megatron_tsp.core.sizes import DEFAULT_CP, ParallelSizes
 from megatron_tsp.device import CPU, Device
 from megatron_tsp.env import run_record, shown_path
-from megatron_tsp.measure import counts, figures
+from megatron_tsp.measure import counts, figures, fsdp
 from megatron_tsp.measure.distributed import fake_world
 from megatron_tsp.measure.tracker import CATEGORIES, GIB, OPTIMIZER, SavedTensors, StorageTracker, without_optimizer
 from megatron_tsp.run import config as cfg
@@ -213,10 +213,16 @@ def plan(values: Dict, mode: str, world_size: Optional[int] = None, cp: int = DE
     # weights were initialised does not change the step's memory.
     args = mode.args(dict(values, use_cpu_initialization=False), cp)
     balanced_routing(args, per_layer)
-    world_size = cfg.sizes(args, world_size).world_size
-    with fake_world(world_size, rank), counts.devices_checked(device.torch), planned_multiprocessors(multiprocessors):
-        return _run(args, mode, world_size, StorageTracker(fake_scalars=True, detail=largest), attention_backend,
-                    device, fake=True, per_layer=per_layer, fused_norm=fused_norm)
+    sizes = cfg.sizes(args, world_size)
+    fsdp_run = args.use_torch_fsdp2  # modelled from DDP's plan of the same layers (measure/fsdp.py)
+    if fsdp_run:
+        args = fsdp.planned_as(args)
+    with fake_world(sizes.world_size, rank), counts.devices_checked(device.torch), \
+            planned_multiprocessors(multiprocessors):
+        result = _run(args, mode, sizes.world_size, StorageTracker(fake_scalars=True, detail=largest),
+                      attention_backend, device, fake=True, per_layer=per_layer, fused_norm=fused_norm,
+                      fsdp_units=fsdp_run)
+    return fsdp.sharded(result, result.pop("fsdp_units"), sizes.dp * sizes.cp) if fsdp_run else result
 
 
 def measure(values: Dict, mode: str, device: Device, cp: int = DEFAULT_CP, attention_backend: str = "auto",
@@ -234,17 +240,20 @@ def measure(values: Dict, mode: str, device: Device, cp: int = DEFAULT_CP, atten
 
 
 def _run(args, mode: Mode, world_size: int, tracker: StorageTracker, attention_backend: str, device: Device,
-         fake: bool, per_layer: bool = False, fused_norm: bool = True) -> Dict:
+         fake: bool, per_layer: bool = False, fused_norm: bool = True, fsdp_units: bool = False) -> Dict:
     # Fake tensors have no values to seed; megatron's RNG bookkeeping is off (_valueless). The
     # communicators' warm-up moves fake tensors too.
     with FakeTensorMode() if fake else contextlib.nullcontext():
         initialize(args, device, seed=not fake, create_gloo_process_groups=False)
     saved = SavedTensors(tracker) if per_layer else None
     try:
-        static, flops, records = _step(args, mode, tracker, attention_backend, device, fake, saved, fused_norm)
+        static, flops, records, units = _step(args, mode, tracker, attention_backend, device, fake, saved,
+                                              fused_norm)
     finally:
         destroy_model_parallel()
     extra = {"saved_per_layer": saved.layer()} if saved else {}
+    if fsdp_units:
+        extra["fsdp_units"] = units
     if tracker.detail:
         extra["largest_at_peak"] = [{"gib": gib, "category": category, "made_by": op}
                                     for gib, category, op in tracker.peak_largest]
@@ -281,6 +290,7 @@ def _step(args, mode: Mode, tracker, attention_backend, device: Device, fake: bo
                                     use_gloo_process_groups=False, transformer_engine=False, fused_norm=fused_norm)
         _create_adam_moments(optimizer)  # steady state: Adam moments exist
         chunk = model[0]
+        units = fsdp.unit_bytes(step.unwrap(chunk))
         grads = [b.grad_data for b in chunk.buffers + chunk.expert_parallel_buffers]
         tracker.tag(grads, "gradients", only_from=None)
         tracker.tag(list(chunk.module.parameters()) + list(chunk.module.buffers()), "parameters", only_from=None)
@@ -330,7 +340,7 @@ def _step(args, mode: Mode, tracker, attention_backend, device: Device, fake: bo
                                 if n > launches_before.get(op, 0)},
              "attention_kernel_calls": tracker.attention_kernel_calls - kernel_calls_before,
              "by_phase": tracker.by_phase}
-    return static, flops, records
+    return static, flops, records, units
 
 
 def planned_layers(values: Dict) -> Tuple[int, int]:
