@@ -245,7 +245,7 @@ for line in sys.stdin:  # one command line a config: parsed as Megatron-LM parse
                               args.spec, args.seq_length))))
 """
 RENDERED = [("7b", "128k-tsp8"), ("7b", "128k-tp8-sp"), ("7b", "128k-tp8-sp-ring"), ("7b", "128k-tp4-cp2"),
-            ("7b", "16k-tsp8"), ("mixtral-8x7b", "128k-tsp8"), ("olmoe", "128k-tsp8")]
+            ("7b", "128k-cp8-fsdp"), ("7b", "16k-tsp8"), ("mixtral-8x7b", "128k-tsp8"), ("olmoe", "128k-tsp8")]
 
 
 @pytest.fixture(scope="module")

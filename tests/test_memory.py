@@ -188,8 +188,7 @@ def test_planned_fsdp_moves_what_a_real_fsdp_step_moves(ranks):
     gradients are 1/D of the model's, and the traffic it models on the FSDP group is what a
     real step of megatron's torch FSDP2 wrapper moves there: every unit gathered in forward and
     again in backward, every unit's gradient reduce-scattered (to FSDP2's padding of shards)."""
-    values = _values(untie_embeddings_and_output_weights=True, use_distributed_optimizer=False, tsp_size=1,
-                     context_parallel_size=2)
+    values = _values(untie_embeddings_and_output_weights=True, tsp_size=1, context_parallel_size=2)
     real = ranks(2, _fsdp_traffic, values)[0]["dp_cp"]
     planned = memory.plan(values, "cp-fsdp", cp=2)
     units = planned["fsdp"]["unit_bytes"]

@@ -246,15 +246,15 @@ def test_a_run_that_needs_many_epochs_of_its_corpus_says_so(tmp_path):
 
 def test_cp_with_fully_sharded_weights_trains_from_tsps_first_loss(ranks, tmp_path, uninterrupted):
     """`megatron-tsp train --tsp-size 1 --context-parallel-size 2 --use-torch-fsdp2
-    --no-use-distributed-optimizer` (the cp-fsdp mode: megatron's torch FSDP2 over the CP
-    ranks; untied, as Megatron-LM requires it) starts from the loss TSP2 and TP2+SP start
-    from on the same untied model, and trains."""
+    --no-use-distributed-optimizer --no-gradient-accumulation-fusion` (the cp-fsdp mode:
+    megatron's torch FSDP2 over the CP ranks; untied, as Megatron-LM requires it) starts from
+    the loss TSP2 and TP2+SP start from on the same untied model, and trains."""
     from megatron_tsp.cli import build_parser
     from megatron_tsp.run import config, modes
 
     ns = build_parser().parse_args(["train", TINY, "--tsp-size", "1", "--context-parallel-size", "2",
                                     "--use-torch-fsdp2", "--no-use-distributed-optimizer",
-                                    "--untie-embeddings-and-output-weights"])
+                                    "--no-gradient-accumulation-fusion", "--untie-embeddings-and-output-weights"])
     layout = config.overrides(ns)
     assert modes.of(config.resolve(dict(config.load_config(TINY), **layout))).name == "cp-fsdp"
     untied = dict(untie_embeddings_and_output_weights=True)

@@ -99,6 +99,10 @@ ARGUMENTS: Dict[str, Arg] = {
     "context_parallel_size": Arg(int, 1, "context parallel size"),
     "pipeline_model_parallel_size": Arg(int, 1, "pipeline parallel size"),
     "use_distributed_optimizer": _b("shard optimizer state over data parallel"),
+    "gradient_accumulation_fusion": Arg(bool, True, "Megatron-LM's weight-gradient GEMMs accumulating into "
+                                                    "main_grad (with TransformerEngine or apex; megatron-tsp's own "
+                                                    "loop does not fuse them)",
+                                        flag="--no-gradient-accumulation-fusion"),
     "use_torch_fsdp2": _b("torch FSDP2 (megatron's TorchFullyShardedDataParallel, as Megatron-LM's --use-torch-fsdp2): "
                           "parameters, gradients and optimizer state sharded over the data-parallel x "
                           "context-parallel ranks, each layer's weights all-gathered as it runs"),
@@ -415,6 +419,8 @@ def check_combinations(ns: argparse.Namespace) -> None:
             (not ns.untie_embeddings_and_output_weights, "needs untie_embeddings_and_output_weights (as in "
                                                          "Megatron-LM)"),
             (ns.fp16, "is not supported with fp16 (as in Megatron-LM); use bf16"),
+            (ns.gradient_accumulation_fusion, "is not supported with gradient accumulation fusion (as in "
+                                              "Megatron-LM): set gradient_accumulation_fusion false"),
             (layout.tsp > 1, "applies to the baselines; TSP shards its weights itself"),
             (ns.num_experts, "is not supported with experts (as in Megatron-LM)"),
             (ns.save or ns.load, "checkpoints are not implemented for it here (Megatron-LM writes them with "

@@ -135,8 +135,9 @@ MODES: Dict[str, Mode] = {m.name: m for m in (
                 "does (TSP sums them in fp32)"),
     # CP D with the weights, gradients and optimizer state fully sharded over the same D ranks
     # (torch FSDP2, Megatron-LM's --use-torch-fsdp2): 1/D of the weights and the tokens, as TSP
-    Mode("cp-fsdp", lambda d, cp: dict(context_parallel_size=d, use_torch_fsdp2=True, use_distributed_optimizer=False),
-         hides=("dp_cp",), hides_with_te=("cp",), behind_attention=("cp",),
+    Mode("cp-fsdp", lambda d, cp: dict(context_parallel_size=d, use_torch_fsdp2=True, use_distributed_optimizer=False,
+                                       gradient_accumulation_fusion=False),
+         hides=("dp_cp",), hides_with_te=("cp",), behind_attention=("cp",), device_max_connections=None,
          unlike="all-gathers each layer's whole weights (torch FSDP2) and reduce-scatters their gradients in the "
                 "model's dtype; reduce-scatters dK/dV in the model's dtype (TSP sums both in fp32)"),
     # TP D + SP with TSP's ring MLP (--ring-mlp): the MLP moves weights, the attention is TP+SP's

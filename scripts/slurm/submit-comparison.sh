@@ -2,9 +2,9 @@
 # Submit TSP and its baselines on the same model, data, seed and global batch, then a job
 # that collects their iteration logs into one table (runs/compare-<seq>-<nodes>.md).
 #   scripts/slurm/submit-comparison.sh 128k 1      # 1 node:  TSP-8, TP-8+SP, TP-8+SP with the ring MLP,
-#                                                  #          TP-4xCP-2, TP-2xCP-4
+#                                                  #          TP-4xCP-2, TP-2xCP-4, CP-8 with FSDP2
 #   scripts/slurm/submit-comparison.sh 16k 128     # 128 nodes
-# TP x CP baselines need Megatron-LM (MEGATRON_LM_PATH); without it only TSP and TP+SP run.
+# The CP baselines need Megatron-LM (MEGATRON_LM_PATH); without it only TSP and TP+SP run.
 set -euo pipefail
 SEQ=${1:?sequence length: 16k or 128k}
 NODES=${2:?nodes: 1 or 128}
@@ -14,7 +14,7 @@ case "$NODES" in
   *) echo "nodes must be 1 or 128 (got $NODES)" >&2; exit 2 ;;
 esac
 MODES=(tsp8 tp8-sp tp8-sp-ring)
-[[ -n "${MEGATRON_LM_PATH:-}" ]] && MODES+=(tp4-cp2 tp2-cp4)
+[[ -n "${MEGATRON_LM_PATH:-}" ]] && MODES+=(tp4-cp2 tp2-cp4 cp8-fsdp)
 mkdir -p runs
 JOBS=()
 LOGS=()
