@@ -32,6 +32,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+from megatron.core.distributed import DistributedDataParallel
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
 from megatron_tsp.core.head_groups import PLANNED_SMS, planned_multiprocessors
@@ -291,10 +292,13 @@ def _step(args, mode: Mode, tracker, attention_backend, device: Device, fake: bo
         _create_adam_moments(optimizer)  # steady state: Adam moments exist
         chunk = model[0]
         units = fsdp.unit_bytes(step.unwrap(chunk))
-        grads = [b.grad_data for b in chunk.buffers + chunk.expert_parallel_buffers]
-        tracker.tag(grads, "gradients", only_from=None)
-        tracker.tag(list(chunk.module.parameters()) + list(chunk.module.buffers()), "parameters", only_from=None)
-        param_buffers = [b.param_data for b in chunk.buffers if b.param_data is not None]
+        # DDP's buffers; a real torch FSDP2 step (the benchmark's cp-fsdp) keeps its shards in its
+        # parameters (DTensors: their local tensors) and makes its gradients in the step
+        buffers = chunk.buffers + chunk.expert_parallel_buffers if isinstance(chunk, DistributedDataParallel) else []
+        tracker.tag([b.grad_data for b in buffers], "gradients", only_from=None)
+        tracker.tag([getattr(p, "_local_tensor", p) for p in chunk.module.parameters()] + list(chunk.module.buffers()),
+                    "parameters", only_from=None)
+        param_buffers = [b.param_data for b in buffers if b.param_data is not None]
         tracker.tag(param_buffers, "parameters", only_from=None)
         tracker.tag(_optimizer_tensors(optimizer), "optimizer", only_from=("temporaries",))
         # Whatever else the build left alive (the build's own transients are gone).
