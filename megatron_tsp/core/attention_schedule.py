@@ -331,21 +331,25 @@ class ForwardPass:
         """Stage s's q, k, v: each head group's QKV GEMM into its columns of the stage's
         projection as its shard arrives (posting the shards ``lookahead`` stages on as each is
         waited for, and letting each go once read), then the stage's norms and RoPE at once,
-        K and V into the gather's send buffer; its K/V gather posted."""
-        args, mixed = self.args, None
-        if args.gathered:  # one GEMM for every head group; the projection's weight, gathered, is Wproj^T
+        K and V into the gather's send buffer; its K/V gather posted. A pass of one stage
+        (``gathered``): one GEMM for every head group, and the gathered Wproj^T is the output
+        projection's weight as it arrived."""
+        args = self.args
+        if args.gathered:
             full = self.stream.gathered()
             mixed = F.linear(self.x, full.first, full.bias)
             self.proj = full.second_t.t()
-        for j, r in enumerate(() if args.gathered else args.stage_groups(s)):
-            self.stream.start(r + args.lookahead * args.groups_per_call)
-            shard = self.stream.wait(r)
-            if mixed is None:
-                mixed = self.x.new_empty(self.x.shape[:2] + (args.groups_per_call * shard[0].size(0),))
-            linear_into(self.x, shard[0], shard[1] if args.has_bias else None, group_columns(mixed, j, args))
-            if args.tsp_group.size() > 1:
-                self.proj[:, args.columns(r)].copy_(shard[-1])
-            self.stream.release(r)
+        else:
+            mixed = None
+            for j, r in enumerate(args.stage_groups(s)):
+                self.stream.start(r + args.lookahead * args.groups_per_call)
+                shard = self.stream.wait(r)
+                if mixed is None:
+                    mixed = self.x.new_empty(self.x.shape[:2] + (args.groups_per_call * shard[0].size(0),))
+                linear_into(self.x, shard[0], shard[1] if args.has_bias else None, group_columns(mixed, j, args))
+                if args.tsp_group.size() > 1:
+                    self.proj[:, args.columns(r)].copy_(shard[-1])
+                self.stream.release(r)
         self.projections[s] = mixed
         local = send_buffer(mixed.shape[:2] + (args.groups_per_call * args.kv_heads, args.head_dim), mixed)
         query, _, _ = args.split_heads(mixed, args.rope, local)
