@@ -6,10 +6,11 @@ Each TSP module of a model (attention and MLP, in layer order) registers with th
 transfer is the same whichever pass runs it: attention starts with the broadcasts of the
 shards its stream starts with (head groups 0..lookahead), the MLP ring with the exchange of
 its own shard for its neighbour's; a short layer's modules (every head group in one call,
-:attr:`LayerChain.short_layers`) with the all-gathers of every shard. So when a module reaches its last stage it posts that
-first transfer for the module that runs next, on its own transport (so that without overlap
-it completes there: :class:`megatron_tsp.core.comm.Blocking`), and the next module takes it
-instead of posting its own (:meth:`LayerChain.take`). A posted shard is the next module's
+:attr:`LayerChain.short_layers`) with the all-gathers of every shard. So when a module
+reaches its last stage it posts that first transfer for the module that runs next, on its
+own transport (so that without overlap it completes there:
+:class:`megatron_tsp.core.comm.Blocking`), and the next module takes it instead of posting
+its own (:meth:`LayerChain.take`). A posted shard is the next module's
 parameters as they are when posted: reading them runs that module's forward pre-hooks, where
 megatron's ``--overlap-param-gather`` waits for their all-gather
 (:func:`megatron_tsp.core.streaming.run_forward_pre_hooks`).
