@@ -12,8 +12,9 @@
 #  2. 8K, 2 layers (as gpu-check-H200-2layers-auto-8k), rank 0 of the D=8 7B per mode, TSP and
 #     TP+SP on auto, with a profiled step each: top kernels by device time and kernel launches;
 #  3. the same TSP at rank 3, whose zigzag chunks (3 and 12) attend other blocks than rank 0's;
-#  4. the same TSP with one head group per call, against auto's (2);
-#  5. 16K, TSP and TP+SP on auto (all 8 head groups in one call there), and 6. TSP with one;
+#  4. the same TSP with one head group per call (and so the ring MLP), against auto's (2): all
+#     8 head groups in one call, every shard gathered at once in attention and MLP;
+#  5. 16K, TSP and TP+SP on auto (all 8 head groups in one call there too), and 6. TSP with one;
 #  7. 128K with full recompute, 4 layers, TSP and TP+SP on auto (cuDNN from 16K keys);
 #  8. a D=1 training run of the tiny config in bf16 through `megatron-tsp train`.
 # Results, as they come: OUT.json (1), OUT-8k.json (2), OUT-8k-rank3.json, OUT-8k-groups1.json,
