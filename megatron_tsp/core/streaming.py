@@ -18,10 +18,11 @@ ring-flash-attention's ``RingComm`` does:
   backward also the gradient accumulators), ``advance()``; backward also ``first()`` and
   ``last_hop()``, and no hop for a shard its forward kept (``last``); gradients:
   ``grad_buffer(t)``, ``finish_grad(t, flat)``, ``own_grad()``;
-* :func:`gather_shards` (the MLP of a short layer, every shard at once, the same bytes as
-  the ring's): ``GatheredShards``, every rank's shard stacked so that one GEMM reads them;
-  gradients: :func:`scatter_grads`, a reduce-scatter in fp32 in place of the ring's
-  accumulators.
+* :func:`gather_shards` (a short layer's MLP, and its attention through
+  :class:`WeightGather`: every shard at once, the same bytes as the ring's hops or the D
+  broadcasts): ``GatheredShards``, every rank's shard stacked so that one GEMM reads them;
+  gradients: :func:`scatter_grads`, a reduce-scatter in fp32 in place of the accumulators
+  and the reduces.
 
 The first transfer of a layer's stream may already be in flight when the layer starts: the
 layer before it started it during its last stage (:mod:`megatron_tsp.core.prefetch`). A
@@ -355,8 +356,8 @@ def scatter_grads(own: Sequence[torch.Tensor], d_first: torch.Tensor, d_bias: Op
     flat = fp32_flat(own)
     first, *bias, second = unpack(flat, own)
     second_t = d_second_t.new_empty(second.t().shape)
-    works = [comm.reduce_scatter(first, d_first, group, inflight), comm.reduce_scatter(second_t, d_second_t, group,
-                                                                                         inflight)]
+    works = [comm.reduce_scatter(first, d_first, group, inflight),
+             comm.reduce_scatter(second_t, d_second_t, group, inflight)]
     if bias:
         works.append(comm.reduce_scatter(bias[0], d_bias, group, inflight))
     for work in works:
@@ -367,8 +368,9 @@ def scatter_grads(own: Sequence[torch.Tensor], d_first: torch.Tensor, d_bias: Op
 
 class WeightGather:
     """Every rank's shard at once, for a schedule whose one stage computes with all of them
-    (TSP attention with every head group in one call): ``start()`` posts
-    :func:`gather_shards` (unless ``first``, posted by the module before, :mod:`prefetch`),
+    (TSP attention with every head group in one call): ``start(r)`` (any r: every shard comes
+    at once) posts :func:`gather_shards` (unless ``first``, posted by the module before,
+    :mod:`prefetch`),
     ``gathered()`` waits for it; ``scatter(...)`` reduce-scatters the fp32 gradients
     (:func:`scatter_grads`) and ``own_grad()`` returns this rank's."""
 
