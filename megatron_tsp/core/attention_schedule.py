@@ -195,12 +195,8 @@ def weight_stream(args: AttentionScheduleArgs, own: Sequence[torch.Tensor], infl
     """A pass's weight stream: the broadcasts (:class:`WeightBroadcast`) with the shards of
     stages 0..lookahead posted, or every shard's gathers (:class:`WeightGather`, where the
     pass is one stage); its first transfer taken from the module before where it posted it
-    (one of the other kind, posted before the chain knew the layers' length, is waited for
-    and dropped), the rest now."""
-    first = args.chain.take(args.module)
-    if first is not None and isinstance(first, GatheredShards) != args.gathered:
-        comm.finish(first[-1])
-        first = None
+    (:meth:`LayerChain.take`), the rest now."""
+    first = args.chain.take(args.module, args.gathered)
     if args.gathered:
         stream = WeightGather(own, args.weight_group, inflight, first=first)
         stream.start()

@@ -226,14 +226,9 @@ class MLPScheduleArgs:
     backward_follows: bool = True  # grad mode at the call, or a recomputed layer's first pass
 
     def first_transfer(self, gathered: bool = False):
-        """The first transfer the module before posted for this one (:mod:`prefetch`; None:
-        post your own): the gathers with ``gathered``, else the ring's first exchange. One of
-        the other kind (the chain's layers changed length since) is waited for and dropped."""
-        first = self.chain.take(self.module) if self.chain is not None else None
-        if first is not None and isinstance(first, GatheredShards) != gathered:
-            comm.finish(first[-1])
-            return None
-        return first
+        """The first transfer the module before posted for this one (:meth:`LayerChain.take`;
+        None: post your own): the gathers with ``gathered``, else the ring's first exchange."""
+        return self.chain.take(self.module, gathered) if self.chain is not None else None
 
     def first_gather(self, own, inflight: comm.InFlight) -> GatheredShards:
         """The all-gathers of every shard: posted by the module before, else now."""

@@ -53,6 +53,7 @@ from typing import Callable, List, Optional
 import torch
 
 from megatron_tsp.core import comm
+from megatron_tsp.core.streaming import GatheredShards
 
 
 class LayerChain:
@@ -149,14 +150,16 @@ class LayerChain:
         self._stashed = None
         return post if target() is module else None
 
-    def take(self, module):
-        """The transfer posted for ``module`` (None: post your own). One posted for another
-        module is waited for and dropped."""
+    def take(self, module, gathered: bool = False):
+        """The transfer posted for ``module`` (None: post your own): every shard's gathers
+        with ``gathered`` (:class:`~megatron_tsp.core.streaming.GatheredShards`), else the
+        stream's or the ring's first transfer. One posted for another module, or of the other
+        kind (posted before the layers' length changed), is waited for and dropped."""
         if self._posted is None:
             return None
         target, transfer = self._posted
         self._posted = None
-        if target() is module:
+        if target() is module and isinstance(transfer, GatheredShards) == gathered:
             return transfer
         comm.finish(transfer[-1])
         return None

@@ -33,6 +33,7 @@ from typing import Dict
 
 import torch
 
+from megatron_tsp.measure import counts
 from megatron_tsp.measure.tracker import GIB
 
 
@@ -92,7 +93,6 @@ def sharded(plan: Dict, units: Dict, group_size: int) -> Dict:
         peak_gib=plan["peak_gib"] + sum(change.values()),
         static_gib=plan["static_gib"] + change["parameters"] + change["gradients"],
         comm=comm,
-        comm_bytes_received={g: {ph: sum(e["bytes_received"] for e in prims.values()) for ph, prims in phases.items()}
-                             for g, phases in comm.items()},
+        comm_bytes_received=counts.totals(comm),
         fsdp={"group_size": d, "unit_bytes": units, "modelled_gib": change},
     )
