@@ -36,6 +36,9 @@ def test_overlap_hides_only_the_modes_overlappable_traffic():
     with_attention = dict(total, attention_flops=attention_s * HW.peak_tflops * 1e12 * HW.attention_efficiency)
     t = perfmodel.step_time(with_attention, HW, "tsp", "no_tp_overlap", world_size=8)
     assert abs(t["step_s"] - max(t["compute_s"], weights + min(kv, attention_s)) - max(0.0, kv - attention_s)) < 1e-9
+    # ...but a pass of one stage has nothing attending beside its K/V: all of it is exposed
+    alone = perfmodel.step_time(dict(with_attention, attention_stages=1), HW, "tsp", "no_tp_overlap", world_size=8)
+    assert abs(alone["step_s"] - (max(alone["compute_s"], weights) + kv)) < 1e-9
     # TP x CP's K/V exchange hides behind attention only with TransformerEngine's ring attention;
     # without it (the baseline's all-gather before attending) it is exposed
     cp = dict(with_attention, comm=_comm("cp", 30 * gb))
@@ -65,6 +68,31 @@ def test_prediction_has_every_mode_and_a_sweep():
     assert set(result["sweep"]) == {128, 256}
     assert set(result["crossover_seq_length"]) == {"tsp", "tp-sp-ring"}
     assert "mi300x" in perfmodel.table(result)
+
+
+def test_the_model_chooses_tsps_calls_where_the_config_leaves_them_to_auto():
+    values = dict(config.load_config(TINY), micro_batch_size=1)  # D=2
+    r = perfmodel.evaluate(values, "tsp", HW, 2, 1, choose_by="overlap")
+    by = r["by_tsp_setting"]
+    settings = [dict(tsp_head_groups_per_call=g, tsp_mlp_shards_per_call=m) for g in (1, 2) for m in (1, 2)]
+    assert sorted(by) == sorted(perfmodel.choice_name(c) for c in settings)
+    assert perfmodel.choice_name(r["tsp_setting"]) == min(by, key=lambda name: by[name]["overlap"])
+    assert r["attention_stages"] == 2 // r["tsp_setting"]["tsp_head_groups_per_call"]
+    # each is what the config's own setting gives; a config's setting is kept
+    for setting in settings:
+        given = perfmodel.evaluate(dict(values, **setting), "tsp", HW, 2, 1, choose_by="overlap")
+        assert "tsp_setting" not in given
+        assert given["attention_stages"] == 2 // setting["tsp_head_groups_per_call"]
+        mine = by[perfmodel.choice_name(setting)]
+        assert given["overlap"]["step_s"] == mine["overlap"] and given["peak_gib"] == mine["peak_gib"]
+    half = perfmodel.evaluate(dict(values, tsp_head_groups_per_call=1), "tsp", HW, 2, 1, choose_by="overlap")
+    assert [s["tsp_head_groups_per_call"] for s in perfmodel.tsp_choices(dict(values, tsp_head_groups_per_call=1),
+                                                                         "tsp", 1)] == [1, 1]
+    assert half["tsp_setting"]["tsp_head_groups_per_call"] == 1
+    # the fastest that fits: with room for the least memory only, that one
+    least = min(by, key=lambda name: by[name]["peak_gib"])
+    tight = perfmodel.evaluate(values, "tsp", HW, 2, 1, choose_by="overlap", limit_gib=by[least]["peak_gib"])
+    assert by[perfmodel.choice_name(tight["tsp_setting"])]["peak_gib"] == by[least]["peak_gib"]
 
 
 def test_crossover_is_where_a_mode_stays_at_least_as_fast_as_tp_sp():

@@ -19,7 +19,7 @@ TINY = dict(num_layers=2, hidden_size=64, num_attention_heads=8, ffn_hidden_size
 def _gpu_with_room_for(values, mode, seq):
     """An H100 whose usable memory ends at the full-recompute peak of ``seq`` tokens."""
     probe = plan.Planner(values, H100, 1, 2, "overlap").point(mode, plan.LEAST_MEMORY, seq)["peak_gib"]
-    memory = (probe + plan.RESERVE_GIB) / (1 - plan.RESERVE_FRACTION)
+    memory = (probe + perfmodel.RESERVE_GIB) / (1 - perfmodel.RESERVE_FRACTION)
     return dataclasses.replace(H100, memory_gib=memory)
 
 
@@ -34,7 +34,7 @@ def test_bisection_finds_the_boundary(mode):
 
 
 def test_nothing_fits_on_a_gpu_too_small():
-    hw = dataclasses.replace(H100, memory_gib=plan.RESERVE_GIB)
+    hw = dataclasses.replace(H100, memory_gib=perfmodel.RESERVE_GIB)
     assert plan.Planner(TINY, hw, 1, 2, "overlap").longest("tsp", start=2048) is None
 
 
@@ -127,7 +127,7 @@ def test_plan_says_what_it_plans_while_it_works(monkeypatch):
     each mode's start, with what it will plan, and each point before it is planned."""
     from megatron_tsp.measure import perfmodel as model
 
-    def evaluate(values, mode, hw, world, cp, brief=False, fused_norm=True):  # peak grows with S: 64K fits
+    def evaluate(values, mode, hw, world, cp, brief=False, **_):  # peak grows with S: 64K fits
         peak = values["seq_length"] / 1024
         return {"peak_gib": peak, **{k: {"tokens_per_s_cluster": 1.0, "step_s": 1.0, "mfu": 0.5}
                                      for k in model.SCENARIOS}}

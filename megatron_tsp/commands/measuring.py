@@ -95,7 +95,8 @@ def _predict_parser(sub, common) -> None:
                    help="comma-separated sequence lengths for the TSP / TP+SP crossover")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--link", default=None, help="a calibrated link of a CPU profile (megatron-tsp calibrate), by name")
-    config_flags(p, ["micro_batch_size", "recompute_granularity"])
+    config_flags(p, ["micro_batch_size", "recompute_granularity", "tsp_head_groups_per_call",
+                     "tsp_mlp_shards_per_call"])
     p.set_defaults(func=_cmd_predict)
 
 
@@ -129,7 +130,7 @@ def _plan_parser(sub, common) -> None:
     p.add_argument("--grid", type=int_list, default=None,
                    help="comma-separated sequence lengths for the picture (every choice at each)")
     p.add_argument("--out", help="write OUT.json, OUT.md and (with --grid) OUT.png")
-    config_flags(p, ["micro_batch_size", "seq_length"])
+    config_flags(p, ["micro_batch_size", "seq_length", "tsp_head_groups_per_call", "tsp_mlp_shards_per_call"])
     p.set_defaults(func=_cmd_plan)
 
 

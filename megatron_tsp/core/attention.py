@@ -245,7 +245,7 @@ class TSPSelfAttention(SelfAttention):
             own_keys_first=own_keys_first,
             backward_follows=torch.is_grad_enabled() or self.config.recompute_granularity == "full",
             groups_per_call=groups_per_call)
-        self.chain.short_layers = groups_per_call == d_size
+        self.chain.attention_stages = d_size // groups_per_call
         sink = []
         if self.config.softmax_type == "learnable":  # read, not called: its pre-hooks stand in (streaming.py)
             run_forward_pre_hooks(self.core_attention)

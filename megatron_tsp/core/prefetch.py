@@ -68,10 +68,16 @@ class LayerChain:
         self.layer_by_layer = False  # full recompute, one layer per checkpoint
         self.chunked = False  # full uniform recompute, several layers per checkpoint
         self.backward_follows = False  # the last module's backward runs right after its forward
-        # the model's TSP attention puts every head group in one call (each layer's forward
-        # says so): its MLPs then gather their shards (TSPMLP.shards_per_call)
-        self.short_layers = False
+        # the stages of the model's TSP attention (D over its head groups per call; each
+        # layer's forward says so): with one, its MLPs gather their shards too
+        # (TSPMLP.shards_per_call) and the planner prices its K/V transfers as exposed
+        self.attention_stages: Optional[int] = None
         self._at_forward_end: Optional[Callable[[], None]] = None
+
+    @property
+    def short_layers(self) -> bool:
+        """Every head group in one call: nothing in the layer for a transfer to hide behind."""
+        return self.attention_stages == 1
 
     def register(self, module) -> None:
         self._modules.append(weakref.ref(module))

@@ -28,7 +28,9 @@ where ``hidden`` is the traffic a mode overlaps with compute in the scenario and
 the rest (the data-parallel gradient reduce hides only with ``--overlap-grad-reduce``).
 Traffic that can only hide behind attention (TSP's K/V exchange runs while the previous head
 group attends; the CP K/V exchange of TP x CP) is hidden up to the attention time and
-exposed beyond it (:class:`modes.Mode`). Scenarios (:data:`SCENARIOS`):
+exposed beyond it (:class:`modes.Mode`); where TSP's attention runs a pass in one stage (every
+head group in one call, short S) nothing attends beside its K/V, and it is all exposed.
+Scenarios (:data:`SCENARIOS`):
 
 * ``overlap``: every mode hides what it can: TSP its weight streams and K/V exchange (built
   into its layers), TP and TP+SP their tensor-parallel all-gathers/reduce-scatters
@@ -66,6 +68,11 @@ from megatron_tsp.run.modes import REFERENCE, SUBJECT, check_layouts, get_mode
 
 INTRA_NODE_GROUPS = ("tsp", "tp", "cp", "tp_cp", "tsp_weight", "ep")  # experts fold onto the model-parallel ranks
 SCENARIOS = ("overlap", "no_tp_overlap", "no_overlap")
+# A setting fits a GPU when its planned peak is at most the memory less a reserve for what the
+# planner does not see (CUDA context, the collective library's buffers, allocator fragmentation).
+RESERVE_FRACTION = 0.05
+RESERVE_GIB = 2.0
+CHOOSE_BY = "overlap"  # predict's scenario for TSP's head groups per call: TSP overlaps without TransformerEngine
 
 
 def overlapped(mode: str, scenario: str, overlap_grad_reduce: bool):
@@ -104,6 +111,11 @@ class Hardware:
     host_us_per_launch: float = 0.0
     matmul_call_us: float = 0.0
     attention_call_us: float = 0.0
+
+    @property
+    def usable_gib(self) -> float:
+        """The memory a planned peak may take (:data:`RESERVE_FRACTION`, :data:`RESERVE_GIB`)."""
+        return self.memory_gib * (1 - RESERVE_FRACTION) - RESERVE_GIB
 
     def at_link(self, name: str) -> "Hardware":
         """This profile with every link at the calibrated ``name`` (a rate-limited CPU link)."""
@@ -211,11 +223,13 @@ def _layer_counts(values: Dict, mode: str, world_size: Optional[int], cp: int, f
     low, high = memory.planned_layers(values)
     per_layer = _sub({}, _sub({k: more[k] for k in keys}, {k: fewer[k] for k in keys}), -1 / (high - low))
     base = _sub({k: fewer[k] for k in keys}, per_layer, low)
-    return {"base": base, "per_layer": per_layer, "parallel": fewer["parallel"]}
+    stages = plans[memory.slowest_rank(plans)][0]["attention_stages"]
+    return {"base": base, "per_layer": per_layer, "parallel": fewer["parallel"], "attention_stages": stages}
 
 
 def totals_for(counts: Dict, layers: int) -> Dict:
-    return _axpy(counts["base"], counts["per_layer"], layers)
+    """The step's counts at ``layers`` layers, with the stages of its TSP attention."""
+    return dict(_axpy(counts["base"], counts["per_layer"], layers), attention_stages=counts.get("attention_stages"))
 
 
 def step_time(total: Dict, hw: Hardware, mode: str, scenario: str, world_size: int,
@@ -247,7 +261,10 @@ def step_time(total: Dict, hw: Hardware, mode: str, scenario: str, world_size: i
                 key = phase if phase in by_phase else "step"
                 comm.setdefault(group, {})[key] = comm.get(group, {}).get(key, 0.0) + seconds
     the_mode = get_mode(mode)
-    full = set(overlapped(mode, "no_tp_overlap" if scenario == "overlap" else scenario, overlap_grad_reduce))
+    # a pass of one stage has no stage before it to attend while its K/V travel, nor after it
+    # to hide the reduce of dK/dV: that traffic is exposed
+    alone = set(the_mode.behind_attention) if total.get("attention_stages") == 1 else set()
+    full = set(overlapped(mode, "no_tp_overlap" if scenario == "overlap" else scenario, overlap_grad_reduce)) - alone
     te = set(the_mode.hides_with_te) if scenario == "overlap" else set()
     out = {"compute_s": 0.0, "host_s": 0.0, "memory_bound_s": 0.0, "step_s": 0.0}
     for phase, counts in by_phase.items():
@@ -295,11 +312,13 @@ def predict(config_path: str, hw: Hardware, nodes: int = 1, modes: List[str] = (
     base_seq = cfg.resolve(values).seq_length
     check_layouts(values, modes, world, cp, "--nodes x gpus_per_node")  # before the first (slow) count
     for mode in modes:
-        results["modes"][mode] = evaluate(values, mode, hw, world, cp, fused_norm=fused_norm)
+        results["modes"][mode] = evaluate(values, mode, hw, world, cp, fused_norm=fused_norm, choose_by=CHOOSE_BY,
+                                          limit_gib=hw.usable_gib)
     if seq_lengths:
         others = [m for m in modes if m != REFERENCE]
         sweep = {seq: {mode: evaluate(cfg.at_seq_length(values, seq), mode, hw, world, cp, brief=True,
-                                      fused_norm=fused_norm) for mode in others + [REFERENCE]}
+                                      fused_norm=fused_norm, choose_by=CHOOSE_BY, limit_gib=hw.usable_gib)
+                       for mode in others + [REFERENCE]}
                  for seq in seq_lengths}
         results["sweep"] = sweep
         results["crossover_seq_length"] = {mode: {key: crossover(sweep, mode, key) for key in SCENARIOS}
@@ -319,10 +338,47 @@ def crossover(sweep: Dict, mode: str, scenario: str) -> Optional[int]:
     return found
 
 
+def tsp_choices(values: Dict, mode: str, cp: int) -> List[Dict[str, int]]:
+    """The settings of TSP's layers the model chooses among for ``mode``, where the config
+    leaves them to ``auto`` (0): head groups per attention call, every divisor of D; MLP
+    shards per call, the ring (1) or all gathered (D). Empty where nothing is left to choose."""
+    the_mode = get_mode(mode)
+    args = the_mode.args(values, cp)
+    d = args.tsp_size
+    if not the_mode.tsp_layers or d == 1 or (args.tsp_head_groups_per_call and args.tsp_mlp_shards_per_call):
+        return []
+    groups = [args.tsp_head_groups_per_call] if args.tsp_head_groups_per_call else \
+        [g for g in range(1, d + 1) if d % g == 0]
+    shards = [args.tsp_mlp_shards_per_call] if args.tsp_mlp_shards_per_call else [1, d]
+    return [dict(tsp_head_groups_per_call=g, tsp_mlp_shards_per_call=m) for g in groups for m in shards]
+
+
+def choice_name(setting: Dict[str, int]) -> str:
+    return f"{setting['tsp_head_groups_per_call']} head groups, {setting['tsp_mlp_shards_per_call']} MLP shards a call"
+
+
 def evaluate(values: Dict, mode: str, hw: Hardware, world: int, cp: int, brief: bool = False,
-             fused_norm: bool = True) -> Dict:
+             fused_norm: bool = True, choose_by: Optional[str] = None, limit_gib: float = float("inf")) -> Dict:
     """Per scenario, step time and cluster tokens/s of ``mode`` on ``world`` GPUs, and rank 0's
-    peak memory (``peak_gib``), from one planning at 2 and 3 layers."""
+    peak memory (``peak_gib``), from one planning at 2 and 3 layers. With ``choose_by`` (a
+    scenario), TSP's head groups and MLP shards per call, where the config leaves them to
+    ``auto``, are the model's choice (:func:`tsp_choices`) rather than the runtime's rule
+    (:func:`~megatron_tsp.core.head_groups.head_groups_per_call`, which fills the GPU's SMs
+    and knows nothing of launches or exposure): each is planned and the fastest in that
+    scenario whose peak is at most ``limit_gib`` wins (the least memory if none fits);
+    ``tsp_setting`` says which, ``by_tsp_setting`` what each would give."""
+    choices = tsp_choices(values, mode, cp) if choose_by else []
+    if not choices:
+        return _evaluate(values, mode, hw, world, cp, brief, fused_norm)
+    tried = [(c, _evaluate(dict(values, **c), mode, hw, world, cp, brief, fused_norm)) for c in choices]
+    fitting = [t for t in tried if t[1]["peak_gib"] <= limit_gib] or [min(tried, key=lambda t: t[1]["peak_gib"])]
+    setting, best = min(fitting, key=lambda t: t[1][choose_by]["step_s"])
+    return dict(best, tsp_setting=setting,
+                by_tsp_setting={choice_name(c): dict(peak_gib=r["peak_gib"], **{k: r[k]["step_s"] for k in SCENARIOS})
+                                for c, r in tried})
+
+
+def _evaluate(values: Dict, mode: str, hw: Hardware, world: int, cp: int, brief: bool, fused_norm: bool) -> Dict:
     args = get_mode(mode).args(values, cp)
     counts = layer_counts(values, mode, world, cp, fused_norm, hw.multiprocessors)
     total = totals_for(counts, args.num_layers)
@@ -331,7 +387,7 @@ def evaluate(values: Dict, mode: str, hw: Hardware, world: int, cp: int, brief: 
     replicas, ranks = layout.dp, layout.model_parallel
     tokens = args.micro_batch_size * args.seq_length
     model_flops = flops_formula.flops_per_sequence_from_args(args, padded_vocab(args)) * args.micro_batch_size
-    out = {"parallel": d, "peak_gib": total["peak_gib"]}
+    out = {"parallel": d, "peak_gib": total["peak_gib"], "attention_stages": total["attention_stages"]}
     for key in SCENARIOS:
         t = step_time(total, hw, mode, key, world, overlap_grad_reduce=args.overlap_grad_reduce)
         t["tokens_per_s_cluster"] = replicas * tokens / t["step_s"]
@@ -385,6 +441,11 @@ def table(result: Dict) -> str:
             vs = f"{t['tokens_per_s_cluster'] / base['tokens_per_s_cluster']:.2f}x" if base else "-"
             lines.append(f"| {mode} | {key} | {t['step_s']:.3f} | {t['compute_s']:.3f} | "
                          f"{t['exposed_comm_s']:.3f} | {t['tokens_per_s_cluster']:.3g} | {t['mfu']:.1%} | {vs} |")
+    for mode, r in result["modes"].items():
+        if r.get("tsp_setting"):
+            lines.append(f"\n{mode}: {choice_name(r['tsp_setting'])}, the model's choice (step s in '{CHOOSE_BY}' "
+                         f"and peak GiB of each: " + "; ".join(f"{name}: {t[CHOOSE_BY]:.3f} s, {t['peak_gib']:.1f} GiB"
+                                                               for name, t in r["by_tsp_setting"].items()) + ")")
     for mode, by_scenario in result.get("crossover_seq_length", {}).items():
         lines.append(f"\n{mode} at least as fast as TP+SP from S = " + ", ".join(
             f"{v} ({k})" for k, v in by_scenario.items()) + f" (swept {list(result['sweep'])})")

@@ -10,9 +10,11 @@ same on a grid of sequence lengths, for the picture.
 Every point is one :func:`megatron_tsp.measure.perfmodel.evaluate`: the memory planner at 1 and 2
 layers (FakeTensorMode, rank 0 of the job), extrapolated linearly in the layer count, so
 memory and speed come from one planning. A setting fits when its peak is at most the GPU's
-memory less a reserve for what the planner does not see (CUDA context, the collective
-library's buffers, allocator fragmentation): :data:`RESERVE_FRACTION` of the memory plus
-:data:`RESERVE_GIB`. The choices are megatron-core's for a dense GPT layer but ``layernorm``,
+memory less a reserve for what the planner does not see (:attr:`perfmodel.Hardware.usable_gib`).
+TSP's head groups and MLP shards per call, where the config leaves them to ``auto``, are the
+model's choice at the config's length and the grid's (the fastest that fits,
+:func:`perfmodel.evaluate`); the longest length is bisected with the runtime's ``auto``,
+which at such lengths is one head group a call and the MLP's ring, the least memory. The choices are megatron-core's for a dense GPT layer but ``layernorm``,
 which megatron-core 0.16.1 runs only with TransformerEngine (see ``preflight``).
 """
 
@@ -27,8 +29,6 @@ from megatron_tsp.measure import figures, perfmodel
 from megatron_tsp.run import config as cfg
 from megatron_tsp.run.modes import REFERENCES, SUBJECT, check_layouts, get_mode
 
-RESERVE_FRACTION = 0.05
-RESERVE_GIB = 2.0
 GRANULARITY = 1024  # tokens; a multiple of 2 x D x CP for every D x CP up to 512
 MAX_SEQ = 4 * 1024 * 1024
 RECOMPUTE_KEYS = ("recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_modules")
@@ -48,10 +48,6 @@ def not_applicable(mode: str) -> Dict[str, str]:
     return {choice: inert[m] for choice, v in CHOICES.items() for m in v.get("recompute_modules", ()) if m in inert}
 
 
-def usable_gib(hw: perfmodel.Hardware) -> float:
-    return hw.memory_gib * (1 - RESERVE_FRACTION) - RESERVE_GIB
-
-
 class Planner:
     """Memoised :func:`perfmodel.evaluate` of (mode, recompute choice, sequence length);
     ``progress``: told of each point before it is planned (a few fake steps each, seconds to
@@ -62,18 +58,24 @@ class Planner:
         self.values = {k: v for k, v in values.items() if k not in RECOMPUTE_KEYS}
         self.hw, self.world, self.cp, self.scenario = hw, nodes * hw.gpus_per_node, cp, scenario
         self.fused_norm = fused_norm
-        self.limit = usable_gib(hw)
+        self.limit = hw.usable_gib
         self.progress = progress or (lambda line: None)
         self._points: Dict = {}
 
-    def point(self, mode: str, choice: str, seq: int) -> Dict:
-        key = (mode, choice, seq)
+    def point(self, mode: str, choice: str, seq: int, choose: bool = False) -> Dict:
+        """One setting; with ``choose``, TSP's head groups and MLP shards per call are the
+        model's choice (``tsp_setting``, where the config leaves them to ``auto``)."""
+        choose = choose and bool(perfmodel.tsp_choices(self.values, mode, self.cp))
+        key = (mode, choice, seq, choose)
         if key not in self._points:
-            self.progress(f"point {len(self._points) + 1}: {mode} at S={seq:,}, recompute {choice}")
+            self.progress(f"point {len(self._points) + 1}: {mode} at S={seq:,}, recompute {choice}"
+                          + (", TSP's head groups and MLP shards per call chosen" if choose else ""))
             v = dict(cfg.at_seq_length(self.values, seq), **CHOICES[choice])
             r = perfmodel.evaluate(copy.deepcopy(v), mode, self.hw, self.world, self.cp, brief=True,
-                                   fused_norm=self.fused_norm)
+                                   fused_norm=self.fused_norm, choose_by=self.scenario if choose else None,
+                                   limit_gib=self.limit)
             self._points[key] = {"peak_gib": r["peak_gib"], "fits": r["peak_gib"] <= self.limit,
+                                 "tsp_setting": r.get("tsp_setting"),
                                  "tokens_per_s": r[self.scenario]["tokens_per_s_cluster"],
                                  "step_s": r[self.scenario]["step_s"], "mfu": r[self.scenario]["mfu"],
                                  "tokens_per_s_by_scenario": {k: r[k]["tokens_per_s_cluster"]
@@ -107,7 +109,7 @@ class Planner:
 
     def at(self, mode: str, seq: int) -> Dict:
         """Every applicable choice at ``seq``; ``best``: the fastest that fits (or None)."""
-        rows = {c: self.point(mode, c, seq) for c in self.choices(mode)}
+        rows = {c: self.point(mode, c, seq, choose=True) for c in self.choices(mode)}
         fitting = [c for c, r in rows.items() if r["fits"]]
         return {"choices": rows, "best": max(fitting, key=lambda c: rows[c]["tokens_per_s"]) if fitting else None}
 
@@ -130,7 +132,7 @@ def plan(config_path: str, hw: perfmodel.Hardware, nodes: int = 1, modes: List[s
     result = {"setup": run_record(config=config_path), "config": shown_path(config_path), "hardware": hw.__dict__,
               "nodes": nodes, "scenario": scenario, "fused_norm": fused_norm, "seq_length": seq,
               "usable_gib": planner.limit,
-              "reserve": {"fraction": RESERVE_FRACTION, "gib": RESERVE_GIB}, "granularity": GRANULARITY,
+              "reserve": {"fraction": perfmodel.RESERVE_FRACTION, "gib": perfmodel.RESERVE_GIB}, "granularity": GRANULARITY,
               "not_applicable": {f"{m} {c}": why for m in modes for c, why in not_applicable(m).items()},
               "modes": {}}
     for n, mode in enumerate(modes, 1):
@@ -166,7 +168,8 @@ def table(result: Dict) -> str:
         at = r["at_seq_length"]
         for choice, p in at["choices"].items():
             rest = " | ".join(f"{p['tokens_per_s_by_scenario'][k]:,.0f}" for k in others)
-            lines.append(f"| {mode} | {choice} | {p['peak_gib']:.1f} | {'yes' if p['fits'] else 'no'} | "
+            groups = f", {perfmodel.choice_name(p['tsp_setting'])}" if p.get("tsp_setting") else ""
+            lines.append(f"| {mode} | {choice}{groups} | {p['peak_gib']:.1f} | {'yes' if p['fits'] else 'no'} | "
                          f"{p['tokens_per_s']:,.0f} | {p['mfu']:.1%} | {rest} | "
                          f"{'<- fastest that fits' if choice == at['best'] else ''} |")
     for what, why in result["not_applicable"].items():
