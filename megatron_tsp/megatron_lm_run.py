@@ -44,12 +44,17 @@ def put_checkout_on_path(checkout: str, program: str) -> None:
 def prepare_device():
     """This process's device (:meth:`Device.from_launch`); on the CPU, with the shims that let
     Megatron-LM's training code run there; on every device, megatron-core's distributed
-    optimizer checkpoints fixed (:func:`~megatron_tsp.run.upstream.fix_optimizer_checkpoints`)
-    and its checkpoint writers' queue served by a process that outlives SIGTERM
-    (:func:`~megatron_tsp.run.upstream.checkpoint_writers_outlive_sigterm`). Call after
-    :func:`put_checkout_on_path`."""
+    optimizer checkpoints fixed (:func:`~megatron_tsp.run.upstream.fix_optimizer_checkpoints`),
+    its checkpoint writers' queue served by a process that outlives SIGTERM
+    (:func:`~megatron_tsp.run.upstream.checkpoint_writers_outlive_sigterm`), and below 0.19
+    its ``--use-torch-fsdp2`` gradient sync (:func:`~megatron_tsp.run.upstream.fix_torch_fsdp2_grad_sync`).
+    Call after :func:`put_checkout_on_path`."""
     from megatron_tsp.device import Device
-    from megatron_tsp.run.upstream import checkpoint_writers_outlive_sigterm, fix_optimizer_checkpoints
+    from megatron_tsp.run.upstream import (
+        checkpoint_writers_outlive_sigterm,
+        fix_optimizer_checkpoints,
+        fix_torch_fsdp2_grad_sync,
+    )
 
     device = Device.from_launch()
     if not device.is_gpu:
@@ -58,6 +63,7 @@ def prepare_device():
         enable_megatron_lm_cpu_support()
     fix_optimizer_checkpoints()
     checkpoint_writers_outlive_sigterm()
+    fix_torch_fsdp2_grad_sync()
     return device
 
 

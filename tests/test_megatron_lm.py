@@ -387,3 +387,16 @@ def test_attention_variants_through_pretrain_tsp_equal_tp_sp(tree, stock):
     tp_losses, _ = _pretrain(tree, None, *TP_SP, *VARIANTS)
     _close(tsp_losses, tp_losses)
     assert tsp_losses[1] != stock[0][1]  # the variants are there: not the plain model's loss
+
+
+def test_fsdp2_through_stock_pretrain_equals_stock_data_parallel(tree):
+    """The weights-sharding half of ``cp-fsdp`` as a Megatron-LM user launches it: stock
+    pretrain_gpt.py with ``--use-torch-fsdp2`` over 2 data-parallel ranks, Megatron-LM's own
+    flags, trains as stock data parallelism does (its context-parallel half needs
+    TransformerEngine's attention in stock pretrain_gpt.py; ``megatron-tsp train`` runs the
+    whole mode, test_train.py)."""
+    untied = ("--untie-embeddings-and-output-weights",)
+    losses, printed = _pretrain(tree, tree / "pretrain_gpt.py", "--use-torch-fsdp2", *untied)
+    assert (printed["use_torch_fsdp2"], printed["data_parallel_size"]) == ("True", "2")
+    ddp, _ = _pretrain(tree, tree / "pretrain_gpt.py", "--use-distributed-optimizer", *untied)
+    _close(losses, ddp)

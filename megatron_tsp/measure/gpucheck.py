@@ -52,7 +52,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from megatron_tsp.core import attention_kernels as kernels
 from megatron_tsp.core import gemm as gemms
 from megatron_tsp.core.block_attention import block_attention
-from megatron_tsp.core.head_groups import PLANNED_SMS, head_groups_per_call, multiprocessors_of
+from megatron_tsp.core.head_groups import PLANNED_SMS, multiprocessors_of
 from megatron_tsp.core.parallel_state import destroy_model_parallel
 from megatron_tsp.device import Device
 from megatron_tsp.env import run_record, shown_path
@@ -60,7 +60,7 @@ from megatron_tsp.measure import memory
 from megatron_tsp.measure.distributed import fake_world
 from megatron_tsp.run import config as cfg
 from megatron_tsp.run.build import initialize, params_dtype, stepper
-from megatron_tsp.run.modes import REFERENCE, SUBJECT, get_mode, head_groups_setting
+from megatron_tsp.run.modes import REFERENCE, SUBJECT, get_mode
 
 SEQS = (8192, 32768, 131072)
 HEAD_DIMS = (64, 128, 256)  # the checks part's: a smaller model's, every 7B-class config's, flash's largest
@@ -335,16 +335,6 @@ def _measure_mode(args, mode: str, steps: int, device: Device, entry: Dict, prof
                      measured_peak_reserved_gib=torch.cuda.max_memory_reserved() / 2 ** 30)
 
 
-def _head_groups_per_call(args, mode: str, device: Device, kernel: str) -> Optional[int]:
-    """The head groups a TSP mode's attention puts in one call (:func:`head_groups_per_call`);
-    None for the others."""
-    if not get_mode(mode).tsp_layers or args.tsp_size == 1:
-        return None
-    return head_groups_per_call(head_groups_setting(args), args.tsp_size, args.micro_batch_size,
-                                args.num_attention_heads // args.tsp_size, args.seq_length // (2 * args.tsp_size),
-                                device.torch, kernel)
-
-
 def check_modes(values: Dict, modes: List[str], steps: int, device: Device, budget_end: float,
                 save: Callable[[], None], result: Dict, profile: bool = False,
                 attention_backend: str = "auto", rank: int = 0) -> None:
@@ -366,7 +356,8 @@ def check_modes(values: Dict, modes: List[str], steps: int, device: Device, budg
                                                                   keys=args.seq_length,
                                                                   documents=args.reset_attention_mask,
                                                                   head_dim=args.kv_channels))
-            entry.update(head_groups_per_call=_head_groups_per_call(args, mode, device, entry["attention_kernel"]))
+            entry.update(head_groups_per_call=planned["head_groups_per_call"],
+                         mlp_shards_per_call=planned["mlp_shards_per_call"])
             if not device.is_gpu and planned["flops_per_rank"] > CPU_STEP_FLOPS:
                 entry["skipped"] = f"no GPU: {planned['flops_per_rank'] / 1e12:.1f} TFLOP a step is minutes on a CPU"
             else:
@@ -483,8 +474,9 @@ def _checks_cell(entry: Dict) -> str:
 
 
 def _kernel(entry: Dict) -> str:
-    groups = entry.get("head_groups_per_call")
-    return f"{entry.get('attention_kernel')}" + (f", {groups} head groups a call" if groups else "")
+    groups, shards = entry.get("head_groups_per_call"), entry.get("mlp_shards_per_call")
+    return f"{entry.get('attention_kernel')}" + (f", {groups} head groups a call" if groups else "") + \
+        (f", {shards} MLP shards a call" if shards else "")
 
 
 def table(result: Dict, top: int = 12) -> str:

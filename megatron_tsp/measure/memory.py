@@ -37,6 +37,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
 from megatron_tsp.core.attention import TSPSelfAttention
 from megatron_tsp.core.head_groups import PLANNED_SMS, planned_multiprocessors
+from megatron_tsp.core.mlp import TSPMLP
 from megatron_tsp.core.parallel_state import destroy_model_parallel
 from megatron_tsp.core.sizes import DEFAULT_CP, ParallelSizes
 from megatron_tsp.device import CPU, Device
@@ -249,7 +250,7 @@ def _run(args, mode: Mode, world_size: int, tracker: StorageTracker, attention_b
         initialize(args, device, seed=not fake, create_gloo_process_groups=False)
     saved = SavedTensors(tracker) if per_layer else None
     try:
-        static, flops, records, units, stages = _step(args, mode, tracker, attention_backend, device, fake, saved,
+        static, flops, records, units, calls = _step(args, mode, tracker, attention_backend, device, fake, saved,
                                                       fused_norm)
     finally:
         destroy_model_parallel()
@@ -261,7 +262,7 @@ def _run(args, mode: Mode, world_size: int, tracker: StorageTracker, attention_b
                                     for gib, category, op in tracker.peak_largest]
     return {**extra,
         "parallel": dict(cfg.sizes(args, world_size).as_dict(), sequence_parallel=args.sequence_parallel),
-        "attention_stages": stages,
+        **calls,
         "peak_gib": tracker.peak / GIB,
         "by_category_gib": {c: tracker.peak_by_category[c] / GIB for c in CATEGORIES},
         "peak_at": tracker.peak_op,
@@ -346,14 +347,19 @@ def _step(args, mode: Mode, tracker, attention_backend, device: Device, fake: bo
                                 if n > launches_before.get(op, 0)},
              "attention_kernel_calls": tracker.attention_kernel_calls - kernel_calls_before,
              "by_phase": tracker.by_phase}
-    return static, flops, records, units, attention_stages(step.unwrap(chunk))
+    return static, flops, records, units, tsp_calls(step.unwrap(chunk))
 
 
-def attention_stages(model) -> Optional[int]:
-    """The stages of a pass of ``model``'s TSP attention as its last step ran them (D over
-    its head groups per call; the fewest, where layers differ), or None without TSP attention."""
-    stages = [m.chain.attention_stages for m in model.modules() if isinstance(m, TSPSelfAttention)]
-    return min(stages) if stages else None
+def tsp_calls(model) -> Dict[str, Optional[int]]:
+    """How ``model``'s TSP layers ran their last step: the stages of an attention pass (D over
+    its head groups per call; the fewest, where layers differ) and the MLP's shards per call;
+    None where the model has no such layer."""
+    attention = [m for m in model.modules() if isinstance(m, TSPSelfAttention)]
+    stages = min(m.chain.attention_stages for m in attention) if attention else None
+    mlps = [m.shards_per_call() for m in model.modules() if isinstance(m, TSPMLP)]
+    return {"attention_stages": stages,
+            "head_groups_per_call": attention[0].tsp_group.size() // stages if attention else None,
+            "mlp_shards_per_call": max(mlps) if mlps else None}
 
 
 def planned_layers(values: Dict) -> Tuple[int, int]:

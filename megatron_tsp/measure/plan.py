@@ -14,8 +14,9 @@ memory less a reserve for what the planner does not see (:attr:`perfmodel.Hardwa
 TSP's head groups and MLP shards per call, where the config leaves them to ``auto``, are the
 model's choice at the config's length and the grid's (the fastest that fits,
 :func:`perfmodel.evaluate`); the longest length is bisected with the runtime's ``auto``,
-which at such lengths is one head group a call and the MLP's ring, the least memory. The choices are megatron-core's for a dense GPT layer but ``layernorm``,
-which megatron-core 0.16.1 runs only with TransformerEngine (see ``preflight``).
+which at such lengths is one head group a call and the MLP's ring, the least memory. The
+choices are megatron-core's for a dense GPT layer but ``layernorm``, which megatron-core
+0.16.1 runs only with TransformerEngine (see ``preflight``).
 """
 
 from __future__ import annotations
@@ -131,8 +132,8 @@ def plan(config_path: str, hw: perfmodel.Hardware, nodes: int = 1, modes: List[s
     seq = cfg.resolve(values).seq_length
     result = {"setup": run_record(config=config_path), "config": shown_path(config_path), "hardware": hw.__dict__,
               "nodes": nodes, "scenario": scenario, "fused_norm": fused_norm, "seq_length": seq,
-              "usable_gib": planner.limit,
-              "reserve": {"fraction": perfmodel.RESERVE_FRACTION, "gib": perfmodel.RESERVE_GIB}, "granularity": GRANULARITY,
+              "usable_gib": planner.limit, "granularity": GRANULARITY,
+              "reserve": {"fraction": perfmodel.RESERVE_FRACTION, "gib": perfmodel.RESERVE_GIB},
               "not_applicable": {f"{m} {c}": why for m in modes for c, why in not_applicable(m).items()},
               "modes": {}}
     for n, mode in enumerate(modes, 1):

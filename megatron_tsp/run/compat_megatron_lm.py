@@ -51,6 +51,12 @@ TRAINING_SHIMS: Sequence[Union[Rewrite, RewriteEach]] = (
     Rewrite("megatron.training.utils.common_utils", "get_device_arch_version",
             (('return torch.cuda.get_device_properties(torch.device("cuda:0")).major', "return 0"),),
             "training/utils/common_utils.py:502", _V019),
+    # --use-torch-fsdp2 asks for high-priority NCCL streams on any GPU (arguments.py's
+    # `fsdp2 or megatron_fsdp and arch >= 10`); gloo's groups take no NCCL options.
+    Rewrite("megatron.core.parallel_state", "get_nccl_options",
+            (("if pg_name in nccl_comm_cfgs:",
+              "if pg_name in nccl_comm_cfgs and torch.distributed.get_backend() == 'nccl':"),),
+            "core/parallel_state.py:158 (0.19: 176)"),
     # Scalars of the loop (timers, loss sums, exit flags, data-loader flags) made on cuda.
     *(RewriteEach(module, (("device='cuda'", "device='cpu'"),))
       for module in ("megatron.training.training", "megatron.training.checkpointing",

@@ -17,7 +17,7 @@ TransformerEngine's nor apex's optimizer. (2) ``checkpointing.save``,
 ``megatron_lm_run.prepare_device``. (3) ``build.initialize`` of a model with experts,
 ``compat.enable_cpu_support``. (4) ``core/spec.stage_layers``: the class is in ``core``, which
 imports no ``run`` module, and is listed here only. (5) ``step.build_model`` of a torch FSDP2
-model (the cp-fsdp mode).
+model (the cp-fsdp mode), ``megatron_lm_run.prepare_device``.
 
 Each fix says what megatron-core does wrong and why the fix is right. The releases come from
 reading megatron-core 0.16.1's and 0.19.2's sources: a fix of "0.16, 0.19" runs on those only,
