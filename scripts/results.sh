@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Regenerates the committed results of bench/results/ that a CPU can produce (memory plans,
 # predictions, plans; the CPU benchmarks have their own commands in docs/measuring.md).
-#   scripts/results.sh [memory|predict|plan|all]     (about 20 minutes for all on 2 cores)
+#   scripts/results.sh [memory|predict|plan|all]     (hours for all on 2 cores: TSP's every head-group and MLP setting is planned)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=bench/results
@@ -28,6 +28,11 @@ if [[ $what == predict || $what == all ]]; then
         --modes tsp,tp-sp,tp-sp-ring --sweep 4096,8192,16384,32768,65536,131072,262144 \
         --json "$out/predict-7b-sweep-$gpu-${nodes}node.json"
     done
+  done
+  # against CP with fully sharded weights (docs/results.md)
+  for nodes in 1 128; do
+    run megatron-tsp predict configs/7b/128k-tsp8.yaml --hardware configs/hardware/h100.yaml --nodes "$nodes" \
+      --modes tsp,tp-sp,cp-fsdp --json "$out/predict-7b-128k-cp-fsdp-h100-${nodes}node.json"
   done
   # one GPU per node: the TSP group's traffic crosses 400G IB (what `bench --like ib-400g` emulates)
   run megatron-tsp predict configs/7b/128k-tsp8.yaml --hardware configs/hardware/h100-ib.yaml --nodes 8 \
@@ -60,6 +65,8 @@ if [[ $what == plan || $what == all ]]; then
     --modes tsp,tp-sp,tp-cp --grid "$grid" --out "$out/plan-mixtral-8x7b-128k-h100-16node"
   run megatron-tsp plan configs/olmoe/128k-tsp8.yaml --hardware configs/hardware/h100.yaml \
     --modes tsp,tp-sp,tp-cp --grid "$grid" --out "$out/plan-olmoe-128k-h100"
+  run megatron-tsp plan configs/7b/128k-tsp8.yaml --hardware configs/hardware/h100.yaml --modes cp-fsdp \
+    --out "$out/plan-7b-128k-h100-cp-fsdp"
   # what fused norms change: the same plan with megatron-core's torch RMSNorm fallback
   run megatron-tsp plan configs/7b/128k-tsp8.yaml --hardware configs/hardware/h100.yaml --no-fused-norm \
     --out "$out/plan-7b-128k-h100-unfused-norm"

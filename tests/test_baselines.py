@@ -107,25 +107,32 @@ def _layer_types_built(transformer_engine_spec):
     from megatron_tsp.run import build, config, modes
 
     te_spec = get_gpt_layer_local_spec()  # what megatron's TE spec would be: another core attention
-    real = modes.transformer_engine_version, modes.get_gpt_layer_with_transformer_engine_spec
-    modes.transformer_engine_version = lambda: "2.9.0"
+    real = modes.transformer_engine_version, config.transformer_engine_version, \
+        modes.get_gpt_layer_with_transformer_engine_spec
+    modes.transformer_engine_version = config.transformer_engine_version = lambda: "2.9.0"
     modes.get_gpt_layer_with_transformer_engine_spec = lambda **kw: te_spec
     try:  # a pooled worker: the next test finds it as it was
-        args = config.resolve(dict(mock_data=True, vocab_size=256, num_layers=1, hidden_size=32,
-                                   num_attention_heads=4, seq_length=16, attention_dropout=0.0,
-                                   transformer_engine_spec=transformer_engine_spec))
+        values = dict(mock_data=True, vocab_size=256, num_layers=1, hidden_size=32, num_attention_heads=4,
+                      seq_length=16, attention_dropout=0.0, transformer_engine_spec=transformer_engine_spec)
+        args = config.resolve({k: v for k, v in values.items() if v is not None})
         build.initialize(args, CPU)
         _, model, _ = build.build(args, CPU)
+        kind = modes.of(args).layer_spec(args.transformer_engine_spec)
     finally:
-        modes.transformer_engine_version, modes.get_gpt_layer_with_transformer_engine_spec = real
-    return sorted({type(m).__name__ for m in model[0].modules() if "Attention" in type(m).__name__})
+        modes.transformer_engine_version, config.transformer_engine_version, \
+            modes.get_gpt_layer_with_transformer_engine_spec = real
+    return kind, sorted({type(m).__name__ for m in model[0].modules() if "Attention" in type(m).__name__})
 
 
-@pytest.mark.parametrize("te,core", [(False, "FlashDotProductAttention"), (True, "DotProductAttention")])
-def test_baselines_run_tsps_attention_op_unless_asked_for_te(ranks, te, core):
-    """With TransformerEngine installed, `train` built the baselines on megatron's TE spec, so
-    baseline and TSP ran different attention kernels; now only --transformer-engine-spec does."""
-    assert core in ranks(1, _layer_types_built, te)[0]
+@pytest.mark.parametrize("te,kind,core", [(None, "transformer_engine", "DotProductAttention"),
+                                          (True, "transformer_engine", "DotProductAttention"),
+                                          (False, "local", "FlashDotProductAttention")])
+def test_baselines_run_megatrons_te_spec_where_installed_unless_told_not_to(ranks, te, kind, core):
+    """With TransformerEngine installed the baselines are built as Megatron-LM builds them, on
+    megatron's TE layer spec, unless --no-transformer-engine-spec asks for TSP's attention op
+    (the same kernels as TSP's); results record which (``layer_spec``)."""
+    built, layers = ranks(1, _layer_types_built, te)[0]
+    assert built == kind and core in layers
 
 
 def test_transformer_engine_spec_is_for_baselines():

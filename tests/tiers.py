@@ -90,6 +90,7 @@ FULL = [
     "tests/test_megatron_lm.py::test_packed_documents_through_pretrain_equal_stock_tp_sp",
     "tests/test_megatron_lm.py::test_mixture_of_experts_through_pretrain_equals_stock_tp_sp",
     "tests/test_megatron_lm.py::test_attention_variants_through_pretrain_tsp_equal_tp_sp",
+    "tests/test_megatron_lm.py::test_fsdp2_through_stock_pretrain_equals_stock_data_parallel",
     "tests/test_megatron_lm.py::test_a_bad_flag_under_torchrun_is_its_line_and_the_rank_that_exited",
     "tests/test_megatron_lm.py::test_rendered_configs_parse_with_megatron_lm",
 ]

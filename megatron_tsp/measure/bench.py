@@ -78,7 +78,7 @@ def _timed_block(values: Dict, mode: str, seq: int, steps: int, warmup: int) -> 
     device = rank_device()
     args = _args(values, mode, seq)
     initialize(args, device)
-    step = stepper(args, device, get_mode(mode), transformer_engine=False)
+    step = stepper(args, device, get_mode(mode))
     first_loss = step()["loss"]
     for _ in range(warmup):
         step()
@@ -94,6 +94,7 @@ def _timed_block(values: Dict, mode: str, seq: int, steps: int, warmup: int) -> 
         times.append(time.perf_counter() - t0)
     received = sum(v for phases in counts.totals(records).values() for v in phases.values())
     return {"step_s": times, "bytes_received": received, "first_step_loss": first_loss,
+            "layer_spec": get_mode(mode).layer_spec(args.transformer_engine_spec),
             "waits": profile.summary(), "timeline": profile.timeline()}
 
 
@@ -135,6 +136,7 @@ def _grid(values: Dict, seqs: List[int], modes: List[str], repeats: int, steps: 
     for seq in seqs:
         blocks = {mode: [] for mode in modes}
         first_losses = {mode: [] for mode in modes}
+        layer_specs: Dict[str, str] = {}
         bytes_moved, wait_profiles, timelines = {}, {}, {}
         for _ in range(repeats):
             for mode in modes:  # interleaved
@@ -142,6 +144,7 @@ def _grid(values: Dict, seqs: List[int], modes: List[str], repeats: int, steps: 
                 out = per_rank[0]
                 blocks[mode].append(statistics.median(out["step_s"]))
                 first_losses[mode].append(out["first_step_loss"])
+                layer_specs[mode] = out["layer_spec"]
                 bytes_moved[mode] = out["bytes_received"]
                 wait_profiles[mode] = [rank["waits"] for rank in per_rank]
                 timelines[mode] = [rank["timeline"] for rank in per_rank]
@@ -151,7 +154,7 @@ def _grid(values: Dict, seqs: List[int], modes: List[str], repeats: int, steps: 
             meds = blocks[mode]
             entry[mode] = {"step_s_median": statistics.median(meds), "step_s_min": min(meds),
                            "step_s_max": max(meds), "block_medians": meds,
-                           "first_step_loss": first_losses[mode][0],
+                           "first_step_loss": first_losses[mode][0], "layer_spec": layer_specs[mode],
                            "bytes_received_per_step": bytes_moved[mode],
                            "waits_per_rank": wait_profiles[mode], "timeline_per_rank": timelines[mode]}
             if peak_memory:

@@ -314,7 +314,8 @@ def _measure_mode(args, mode: str, steps: int, device: Device, entry: Dict, prof
     with fake_world(cfg.sizes(args).world_size, rank):
         initialize(args, device, create_gloo_process_groups=False)
         step = stepper(args, device, get_mode(mode), clip_grad=0.0, use_gloo_process_groups=False,
-                       transformer_engine=False, attention_backend=attention_backend)
+                       attention_backend=attention_backend)
+        entry["layer_spec"] = get_mode(mode).layer_spec(args.transformer_engine_spec)
         step()  # warm-up; also creates Adam's moments
         device.synchronize()
         device.reset_peak_memory()

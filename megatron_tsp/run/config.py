@@ -20,6 +20,7 @@ import yaml
 
 from megatron_tsp.core.sizes import ParallelSizes
 from megatron_tsp.core.support import RULES, causal_window, violations
+from megatron_tsp.env import transformer_engine_version
 from megatron_tsp.errors import ConfigError
 
 
@@ -93,9 +94,10 @@ ARGUMENTS: Dict[str, Arg] = {
     "tsp_vocab": Arg(str, "auto", "TSP's embedding and output layer: table (all-gather the vocabulary table, each "
                                   "rank scores its own tokens), sequence (megatron's sequence-parallel collectives "
                                   "of the activations), auto (the one that moves fewer bytes)"),
-    "transformer_engine_spec": _b("baselines (TP, TP+SP, TP x CP) on megatron's TransformerEngine layer spec "
-                                  "where it is installed, instead of the attention op TSP uses: TE's fused "
-                                  "kernels, but the modes then run different kernels"),
+    "transformer_engine_spec": Arg(bool, None, "baselines (TP, TP+SP, TP x CP, cp-fsdp) on megatron's "
+                                               "TransformerEngine layer spec, as Megatron-LM builds them (default: "
+                                               "where TE is installed and applies); --no-transformer-engine-spec: on "
+                                               "the attention op and norms TSP uses, the same kernels as TSP's"),
     "context_parallel_size": Arg(int, 1, "context parallel size"),
     "pipeline_model_parallel_size": Arg(int, 1, "pipeline parallel size"),
     "use_distributed_optimizer": _b("shard optimizer state over data parallel"),
@@ -289,8 +291,23 @@ def resolve(values: Dict[str, Any]) -> argparse.Namespace:
         ns.lr_decay_iters = ns.train_iters
     if ns.tsp_size > 1:
         ns.sequence_parallel = True
+    if ns.transformer_engine_spec is None:  # Megatron-LM's default where it can be had
+        ns.transformer_engine_spec = transformer_engine_version() is not None and not te_spec_conflicts(ns)
     check_combinations(ns)
     return ns
+
+
+def te_spec_conflicts(ns: argparse.Namespace) -> List[tuple]:
+    """``(key, why)`` for each setting of ``ns`` that megatron's TransformerEngine layer spec
+    does not take here: a TSP layout, experts, packed documents."""
+    return [(key, why) for conflict, key, why in (
+        (sizes(ns).tsp > 1, "transformer_engine_spec", "applies to the baselines; TSP's layers are its own"),
+        (ns.num_experts, "transformer_engine_spec", "with num_experts is not implemented here (its layers would be "
+                                                    "dense); drop it"),
+        (ns.reset_attention_mask, "reset_attention_mask", "reaches the attention as the documents' starts, which "
+                                                          "TransformerEngine's layers do not take here; drop "
+                                                          "--transformer-engine-spec"),
+    ) if conflict]
 
 
 POSITIVE_INTS = (
@@ -428,11 +445,9 @@ def check_combinations(ns: argparse.Namespace) -> None:
         ) if ns.use_torch_fsdp2),
         (not ns.overlap_param_gather or (ns.use_distributed_optimizer and ns.overlap_grad_reduce),
          "overlap_param_gather", "needs use_distributed_optimizer and overlap_grad_reduce (as in Megatron-LM)"),
-        (not (ns.transformer_engine_spec and layout.tsp > 1), "transformer_engine_spec",
-         "applies to the baselines; TSP's layers are its own"),
         (ns.attention_dropout == 0 or ns.transformer_engine_spec, "attention_dropout",
-         "must be 0: the attention op every mode runs has no dropout (--transformer-engine-spec builds the "
-         "baselines on TransformerEngine's spec, which has)"),
+         "must be 0: the attention op TSP and these baselines run has no dropout (TransformerEngine's layer spec, "
+         "--transformer-engine-spec, has)"),
         (ns.tokenizer_type != "NullTokenizer" or ns.vocab_size, "vocab_size",
          "is required with tokenizer_type NullTokenizer"),
         (ns.window_attn_skip_freq is None or ns.window_size, "window_attn_skip_freq", "applies with window_size"),
@@ -452,11 +467,7 @@ def check_combinations(ns: argparse.Namespace) -> None:
          f"must divide tensor_model_parallel_size x context_parallel_size = {layout.tp * layout.cp} (the experts "
          "are folded onto the model-parallel ranks)"),
         (not (ns.num_experts and ns.ring_mlp), "ring_mlp", "with num_experts is not implemented; drop one"),
-        (not (ns.num_experts and ns.transformer_engine_spec), "transformer_engine_spec",
-         "with num_experts is not implemented here (its layers would be dense); drop it"),
-        (not (ns.reset_attention_mask and ns.transformer_engine_spec), "reset_attention_mask",
-         "reaches the attention as the documents' starts, which TransformerEngine's layers do not take here; drop "
-         "--transformer-engine-spec"),
+        *((False, key, why) for key, why in (te_spec_conflicts(ns) if ns.transformer_engine_spec else ())),
     ]
     for ok, key, message in checks:
         if not ok:

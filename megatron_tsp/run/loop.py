@@ -108,10 +108,11 @@ class EarlyExit:
 class Logger:
     """Megatron-style iteration lines on rank 0, and the same numbers as JSON lines."""
 
-    def __init__(self, path: Optional[str], mode: str):
+    def __init__(self, path: Optional[str], mode: str, layer_spec: str):
         self.path = path
         # every run of a config appends to the same log: each record names its run (compare)
-        self.run = {"run": f"{datetime.datetime.now():%Y%m%d-%H%M%S}-{os.getpid()}", "mode": mode}
+        self.run = {"run": f"{datetime.datetime.now():%Y%m%d-%H%M%S}-{os.getpid()}", "mode": mode,
+                    "layer_spec": layer_spec}
         if path and dist.get_rank() == 0:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
 
@@ -281,7 +282,7 @@ def _train(args, device: Device, exits: EarlyExit, log_path: Optional[str], coll
     transform = modes.of(args).batch_transform(args)
     eod = data.documents_eod(args)
     flops_per_step = flops_per_sequence_from_args(args, data.padded_vocab(args)) * global_batch
-    logger = Logger(log_path, modes.of(args).name)
+    logger = Logger(log_path, modes.of(args).name, modes.of(args).layer_spec(args.transformer_engine_spec))
     record: Dict[str, Any] = {}
     pending: List[torch.Tensor] = []  # device losses of the iterations since the last read
     interval_start = time.perf_counter()

@@ -82,18 +82,28 @@ class Mode:
         baseline block spec: megatron's local layers with the attention op TSP uses and its
         norms (baselines.py), so that every mode runs the same attention kernels;
         ``fused_norm``: see :func:`megatron_tsp.core.norm.implementation`."""
-        if self.tsp_layers:
+        kind = self.layer_spec(transformer_engine)
+        if kind == "tsp":
             return get_gpt_block_tsp_spec(transformer_config, qk_layernorm=args.qk_layernorm,
                                           attention_backend=attention_backend, overlap_comm=self.overlap_comm,
                                           fused_norm=fused_norm, lookahead=args.tsp_lookahead,
                                           head_groups_per_call=head_groups_setting(args),
                                           mlp_shards_per_call=args.tsp_mlp_shards_per_call or "auto")
-        if transformer_engine and transformer_engine_version() is not None:
+        if kind == "transformer_engine":
             spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_layernorm)
             return with_ring_mlp(spec, fused_norm, self.overlap_comm) if args.ring_mlp else spec
         return get_gpt_block_baseline_spec(transformer_config, qk_layernorm=args.qk_layernorm,
                                            attention_backend=attention_backend, fused_norm=fused_norm,
                                            ring_mlp=args.ring_mlp, overlap_comm=self.overlap_comm)
+
+    def layer_spec(self, transformer_engine: bool) -> str:
+        """Which layers :meth:`spec` builds, as results record it: ``tsp``;
+        ``transformer_engine``, megatron's TE layer spec (where TE is installed and
+        ``transformer_engine`` asks for it: ``--transformer-engine-spec``, by default wherever it
+        is installed); else ``local``, megatron's local layers with TSP's attention op and norms."""
+        if self.tsp_layers:
+            return "tsp"
+        return "transformer_engine" if transformer_engine and transformer_engine_version() is not None else "local"
 
     def batch_transform(self, args) -> Optional[Callable]:
         """Zigzag order for TSP; megatron's context-parallel slice for CP; nothing otherwise."""
