@@ -72,7 +72,7 @@ SCENARIOS = ("overlap", "no_tp_overlap", "no_overlap")
 # planner does not see (CUDA context, the collective library's buffers, allocator fragmentation).
 RESERVE_FRACTION = 0.05
 RESERVE_GIB = 2.0
-CHOOSE_BY = "overlap"  # predict's scenario for TSP's head groups per call: TSP overlaps without TransformerEngine
+CHOOSE_BY = "overlap"  # predict chooses TSP's calls by it: TSP overlaps without TransformerEngine
 
 
 def overlapped(mode: str, scenario: str, overlap_grad_reduce: bool):
