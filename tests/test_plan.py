@@ -13,7 +13,8 @@ H100 = perfmodel.load_hardware(os.path.join(ROOT, "configs", "hardware", "h100.y
 TINY = dict(num_layers=2, hidden_size=64, num_attention_heads=8, ffn_hidden_size=256, seq_length=2048,
             position_embedding_type="rope", normalization="RMSNorm", disable_bias_linear=True,
             attention_dropout=0.0, hidden_dropout=0.0, bf16=True, tsp_size=4, mock_data=True, vocab_size=1000,
-            use_distributed_optimizer=True)
+            use_distributed_optimizer=True,
+            tsp_head_groups_per_call=4, tsp_mlp_shards_per_call=4)  # as auto: the model's choice is tested below
 
 
 def _gpu_with_room_for(values, mode, seq):
@@ -49,6 +50,18 @@ def test_the_fastest_fitting_choice_is_marked():
     # a GPU with room for full recompute only: it is the one marked
     tight = plan.Planner(TINY, _gpu_with_room_for(TINY, "tp-sp", 2048), 1, 2, "overlap").at("tp-sp", 2048)
     assert [c for c, r in tight["choices"].items() if r["fits"]] == ["full"] and tight["best"] == "full"
+
+
+def test_tsps_calls_are_the_models_choice_where_the_config_leaves_them_to_auto():
+    """At a length's choices TSP's head groups and MLP shards per call are perfmodel's choice
+    (test_perfmodel.py tests the choice); the bisection keeps the runtime's auto."""
+    auto = dict(TINY, tsp_size=2, tsp_head_groups_per_call=0, tsp_mlp_shards_per_call=0, num_attention_heads=8)
+    planner = plan.Planner(auto, H100, 1, 2, "overlap")
+    chosen = planner.point("tsp", "full", 2048, choose=True)
+    assert chosen["tsp_setting"]["tsp_head_groups_per_call"] in (1, 2)
+    assert chosen["tsp_setting"]["tsp_mlp_shards_per_call"] in (1, 2)
+    assert planner.point("tsp", "full", 2048)["tsp_setting"] is None
+    assert plan.Planner(TINY, H100, 1, 2, "overlap").point("tsp", "full", 2048, choose=True)["tsp_setting"] is None
 
 
 @pytest.mark.parametrize("config,mode,recompute,layers", [

@@ -52,6 +52,7 @@ FULL = [
     "tests/test_plan.py::test_mixture_of_experts_models_may_recompute_their_moe_layers",
     "tests/test_plan.py::test_peak_memory_and_flops_extrapolate_exactly_in_the_layer_count",
     "tests/test_plan.py::test_the_fastest_fitting_choice_is_marked",
+    "tests/test_plan.py::test_tsps_calls_are_the_models_choice_where_the_config_leaves_them_to_auto",
     "tests/test_plan.py::test_nothing_fits_on_a_gpu_too_small",
     "tests/test_plan.py::test_a_mixture_of_experts_model_is_planned_with_balanced_routing",
     "tests/test_perfmodel.py::test_layer_extrapolation_matches_a_full_plan",
