@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.metadata as metadata
 import os
@@ -17,8 +18,10 @@ def _version(dist_name: str) -> Optional[str]:
         return None
 
 
+@functools.lru_cache(maxsize=None)
 def transformer_engine_version() -> Optional[str]:
-    """TransformerEngine's version when its PyTorch extension imports, else None."""
+    """TransformerEngine's version when its PyTorch extension imports, else None (tried
+    once: every config resolution asks)."""
     try:
         te = importlib.import_module("transformer_engine.pytorch")
     except Exception:  # noqa: BLE001 - any import failure means "not usable here"
