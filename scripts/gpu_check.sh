@@ -14,14 +14,14 @@
 #  3. the same TSP at rank 3, whose zigzag chunks (3 and 12) attend other blocks than rank 0's;
 #  4. the same TSP with one head group per call (and so the ring MLP), against auto's (2): all
 #     8 head groups in one call, every shard gathered at once in attention and MLP;
-#  5. 16K, TSP and TP+SP on auto (all 8 head groups in one call there too);
-#  6. 128K with full recompute, 4 layers, TSP and TP+SP on auto (cuDNN from 16K keys; one
-#     head group a call, the MLP's ring), and 7. TSP as the model chooses for an H100 or H200
+#  5. 16K, TSP and TP+SP on auto (all 8 head groups in one call there too), and 6. TSP with one;
+#  7. 128K with full recompute, 4 layers, TSP and TP+SP on auto (cuDNN from 16K keys; one
+#     head group a call, the MLP's ring), and 8. TSP as the model chooses for an H100 or H200
 #     (`megatron-tsp predict`, predict-7b-128k-h{100,200}-1node.json): 4 head groups and all
 #     8 MLP shards a call;
-#  8. a D=1 training run of the tiny config in bf16 through `megatron-tsp train`.
+#  9. a D=1 training run of the tiny config in bf16 through `megatron-tsp train`.
 # Results, as they come: OUT.json (1), OUT-8k.json (2), OUT-8k-rank3.json, OUT-8k-groups1.json,
-# OUT-16k.json, OUT-128k.json, OUT-128k-chosen.json, each with a .md table, and
+# OUT-16k.json, OUT-16k-groups1.json, OUT-128k.json, OUT-128k-chosen.json, each with a .md table, and
 # OUT-train-d1.{log,jsonl}.
 #   scripts/gpu_check.sh [OUT.json]   (default bench/results/gpu-check-<gpu>.json)
 # Without a GPU it rehearses: the 7B's modes are planned and recorded as skipped, the rest runs.
@@ -59,17 +59,19 @@ check=("$py" -m megatron_tsp.cli gpu-check)
 at8k=(--config configs/7b/16k-tsp8.yaml --seq-length 8192 --num-layers 2)
 at16k=(--config configs/7b/16k-tsp8.yaml --num-layers 2)
 
-step 65 "${check[@]}" "${at8k[@]}" --parts gemm,checks,documents,backends --budget-s 55 --out "$out"
-step 45 "${check[@]}" "${at8k[@]}" --parts modes,profile --modes tsp,tp-sp --budget-s 25 --out "$base-8k.json"
-step 30 "${check[@]}" "${at8k[@]}" --parts modes --modes tsp --rank 3 --out "$base-8k-rank3.json"
+step 55 "${check[@]}" "${at8k[@]}" --parts gemm,checks,documents,backends --budget-s 45 --out "$out"
+step 40 "${check[@]}" "${at8k[@]}" --parts modes,profile --modes tsp,tp-sp --budget-s 22 --out "$base-8k.json"
+step 25 "${check[@]}" "${at8k[@]}" --parts modes --modes tsp --rank 3 --out "$base-8k-rank3.json"
 step 30 "${check[@]}" "${at8k[@]}" --parts modes --modes tsp --tsp-head-groups-per-call 1 \
   --out "$base-8k-groups1.json"
 step 40 "${check[@]}" "${at16k[@]}" --parts modes --modes tsp,tp-sp --budget-s 22 --out "$base-16k.json"
+step 30 "${check[@]}" "${at16k[@]}" --parts modes --modes tsp --tsp-head-groups-per-call 1 \
+  --out "$base-16k-groups1.json"
 at128k=(--config configs/7b/128k-tsp8.yaml --num-layers 4 --parts modes)
-step 70 "${check[@]}" "${at128k[@]}" --modes tsp,tp-sp --budget-s 40 --out "$base-128k.json"
+step 60 "${check[@]}" "${at128k[@]}" --modes tsp,tp-sp --budget-s 35 --out "$base-128k.json"
 step 35 "${check[@]}" "${at128k[@]}" --modes tsp --tsp-head-groups-per-call 4 --tsp-mlp-shards-per-call 8 \
   --budget-s 20 --out "$base-128k-chosen.json"
-step 45 "$py" -m megatron_tsp.cli train configs/tiny-cpu.yaml --tsp-size 1 --nproc 1 --train-iters 20 --bf16 \
+step 40 "$py" -m megatron_tsp.cli train configs/tiny-cpu.yaml --tsp-size 1 --nproc 1 --train-iters 20 --bf16 \
   --log-json "$base-train-d1.jsonl" > "$base-train-d1.log" 2>&1
 tail -3 "$base-train-d1.log"
 exit $status
