@@ -107,9 +107,8 @@ def _layer_types_built(transformer_engine_spec):
     from megatron_tsp.run import build, config, modes
 
     te_spec = get_gpt_layer_local_spec()  # what megatron's TE spec would be: another core attention
-    real = modes.transformer_engine_version, config.transformer_engine_version, \
-        modes.get_gpt_layer_with_transformer_engine_spec
-    modes.transformer_engine_version = config.transformer_engine_version = lambda: "2.9.0"
+    real = modes.transformer_engine_version, modes.get_gpt_layer_with_transformer_engine_spec
+    modes.transformer_engine_version = lambda: "2.9.0"
     modes.get_gpt_layer_with_transformer_engine_spec = lambda **kw: te_spec
     try:  # a pooled worker: the next test finds it as it was
         values = dict(mock_data=True, vocab_size=256, num_layers=1, hidden_size=32, num_attention_heads=4,
@@ -117,10 +116,9 @@ def _layer_types_built(transformer_engine_spec):
         args = config.resolve({k: v for k, v in values.items() if v is not None})
         build.initialize(args, CPU)
         _, model, _ = build.build(args, CPU)
-        kind = modes.of(args).layer_spec(args.transformer_engine_spec)
+        kind = modes.of(args).layer_spec(args)
     finally:
-        modes.transformer_engine_version, config.transformer_engine_version, \
-            modes.get_gpt_layer_with_transformer_engine_spec = real
+        modes.transformer_engine_version, modes.get_gpt_layer_with_transformer_engine_spec = real
     return kind, sorted({type(m).__name__ for m in model[0].modules() if "Attention" in type(m).__name__})
 
 
@@ -133,6 +131,26 @@ def test_baselines_run_megatrons_te_spec_where_installed_unless_told_not_to(rank
     (the same kernels as TSP's); results record which (``layer_spec``)."""
     built, layers = ranks(1, _layer_types_built, te)[0]
     assert built == kind and core in layers
+
+
+def test_te_spec_by_default_only_where_it_applies(monkeypatch):
+    """Unset, ``transformer_engine_spec`` is TE's layers where TE is installed and the spec
+    takes the settings; where it does not (a TSP layout, experts, packed documents), the local
+    layers, with no error; without TE, always the local layers."""
+    from megatron_tsp.run import config, modes
+
+    base = dict(mock_data=True, vocab_size=256, attention_dropout=0.0, num_attention_heads=4)
+    cases = [("tp-sp", {}, "transformer_engine"), ("tsp", {}, "tsp"),
+             ("tp-sp", dict(num_experts=4), "local"), ("tp-sp", dict(reset_attention_mask=True), "local"),
+             ("tp-sp", dict(transformer_engine_spec=False), "local")]
+    monkeypatch.setattr(modes, "transformer_engine_version", lambda: "2.9.0")
+    for mode, extra, kind in cases:
+        args = modes.get_mode(mode).args(dict(base, **extra), 1)
+        assert args.transformer_engine_spec is extra.get("transformer_engine_spec")  # decided at build
+        assert modes.get_mode(mode).layer_spec(args) == kind, (mode, extra)
+    monkeypatch.setattr(modes, "transformer_engine_version", lambda: None)
+    assert modes.get_mode("tp-sp").layer_spec(config.resolve(base)) == "local"
+    assert modes.get_mode("tp-sp").layer_spec(config.resolve(dict(base, transformer_engine_spec=True))) == "local"
 
 
 def test_transformer_engine_spec_is_for_baselines():

@@ -105,6 +105,8 @@ def test_flags_render_in_megatron_lm_form():
     assert config.to_megatron_flags({"check_for_nan_in_loss_and_grad": True}) == []
     # megatron-LM's tuple_type reads "64,0"; a YAML list is written so
     assert config.to_megatron_flags(config.typed({"window_size": [64, 0]}, "x")) == ["--window-size", "64,0"]
+    for te, impl in ((True, "transformer_engine"), (False, "local")):
+        assert config.to_megatron_flags({"transformer_engine_spec": te}) == ["--transformer-impl", impl]
 
 
 @pytest.mark.parametrize("path", RUN_CONFIGS, ids=[os.path.relpath(c, ROOT) for c in RUN_CONFIGS])

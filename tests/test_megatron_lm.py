@@ -398,5 +398,6 @@ def test_fsdp2_through_stock_pretrain_equals_stock_data_parallel(tree):
     untied = ("--untie-embeddings-and-output-weights",)
     losses, printed = _pretrain(tree, tree / "pretrain_gpt.py", "--use-torch-fsdp2", *untied)
     assert (printed["use_torch_fsdp2"], printed["data_parallel_size"]) == ("True", "2")
+    assert sorted(losses) == list(range(1, ITERS + 1))
     ddp, _ = _pretrain(tree, tree / "pretrain_gpt.py", "--use-distributed-optimizer", *untied)
     _close(losses, ddp)

@@ -94,7 +94,7 @@ def _timed_block(values: Dict, mode: str, seq: int, steps: int, warmup: int) -> 
         times.append(time.perf_counter() - t0)
     received = sum(v for phases in counts.totals(records).values() for v in phases.values())
     return {"step_s": times, "bytes_received": received, "first_step_loss": first_loss,
-            "layer_spec": get_mode(mode).layer_spec(args.transformer_engine_spec),
+            "layer_spec": get_mode(mode).layer_spec(args),
             "waits": profile.summary(), "timeline": profile.timeline()}
 
 

@@ -315,7 +315,6 @@ def _measure_mode(args, mode: str, steps: int, device: Device, entry: Dict, prof
         initialize(args, device, create_gloo_process_groups=False)
         step = stepper(args, device, get_mode(mode), clip_grad=0.0, use_gloo_process_groups=False,
                        attention_backend=attention_backend)
-        entry["layer_spec"] = get_mode(mode).layer_spec(args.transformer_engine_spec)
         step()  # warm-up; also creates Adam's moments
         device.synchronize()
         device.reset_peak_memory()
@@ -350,13 +349,15 @@ def check_modes(values: Dict, modes: List[str], steps: int, device: Device, budg
             planned = memory.plan(dict(values), mode, device=device, attention_backend=attention_backend, rank=rank,
                                   multiprocessors=multiprocessors_of(device.torch) if device.is_gpu else PLANNED_SMS)
             args = get_mode(mode).args(values)
+            layers = get_mode(mode).layer_spec(args)
+            # TransformerEngine's layers attend with TE's own kernels; the planner plans local ones
+            kernel = "transformer_engine" if layers == "transformer_engine" else \
+                kernels.resolve_backend(attention_backend, device.torch, params_dtype(args), keys=args.seq_length,
+                                        documents=args.reset_attention_mask, head_dim=args.kv_channels)
             entry.update(parallel=planned["parallel"], planned_peak_gib=planned["peak_gib"],
                          planned_by_category_gib=planned["by_category_gib"],
-                         flops_per_rank=planned["flops_per_rank"],
-                         attention_kernel=kernels.resolve_backend(attention_backend, device.torch, params_dtype(args),
-                                                                  keys=args.seq_length,
-                                                                  documents=args.reset_attention_mask,
-                                                                  head_dim=args.kv_channels))
+                         flops_per_rank=planned["flops_per_rank"], layer_spec=layers, attention_kernel=kernel,
+                         **({"planned_as": "local"} if layers == "transformer_engine" else {}))
             entry.update(head_groups_per_call=planned["head_groups_per_call"],
                          mlp_shards_per_call=planned["mlp_shards_per_call"])
             if not device.is_gpu and planned["flops_per_rank"] > CPU_STEP_FLOPS:

@@ -351,15 +351,15 @@ def _step(args, mode: Mode, tracker, attention_backend, device: Device, fake: bo
 
 
 def tsp_calls(model) -> Dict[str, Optional[int]]:
-    """How ``model``'s TSP layers ran their last step: the stages of an attention pass (D over
-    its head groups per call; the fewest, where layers differ) and the MLP's shards per call;
-    None where the model has no such layer."""
-    attention = [m for m in model.modules() if isinstance(m, TSPSelfAttention)]
-    stages = min(m.chain.attention_stages for m in attention) if attention else None
-    mlps = [m.shards_per_call() for m in model.modules() if isinstance(m, TSPMLP)]
+    """How ``model``'s TSP layers ran their last step, as their layer chain (one a model)
+    recorded it: the stages of an attention pass (D over its head groups per call) and the
+    MLP's shards per call; None where the model has no such layer."""
+    attention = next((m for m in model.modules() if isinstance(m, TSPSelfAttention)), None)
+    mlp = next((m for m in model.modules() if isinstance(m, TSPMLP)), None)
+    stages = attention.chain.attention_stages if attention is not None else None
     return {"attention_stages": stages,
-            "head_groups_per_call": attention[0].tsp_group.size() // stages if attention else None,
-            "mlp_shards_per_call": max(mlps) if mlps else None}
+            "head_groups_per_call": attention.tsp_group.size() // stages if stages else None,
+            "mlp_shards_per_call": mlp.shards_per_call() if mlp is not None else None}
 
 
 def planned_layers(values: Dict) -> Tuple[int, int]:

@@ -30,10 +30,10 @@ def params_dtype(args) -> torch.dtype:
     return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
 
 
-def transformer_config(args, device: Device) -> TransformerConfig:
+def transformer_config(args, device: Device, layer_spec: str = "local") -> TransformerConfig:
     """``use_cpu_initialization`` on the CPU, and where asked for (``--use-cpu-initialization``:
     the same weights at every TP/TSP size, what a comparison of modes needs); else megatron
-    initialises each shard on the GPU."""
+    initialises each shard on the GPU. ``layer_spec``: the layers built (:meth:`Mode.layer_spec`)."""
     dtype = params_dtype(args)
     recompute = {}
     if args.recompute_granularity:
@@ -74,7 +74,7 @@ def transformer_config(args, device: Device) -> TransformerConfig:
         bias_activation_fusion=False,
         masked_softmax_fusion=False,  # no megatron softmax: every mode attends with block_attention
         # the layers' kind, which torch FSDP2 wraps by (local: each layer whole, not its linears)
-        transformer_impl="transformer_engine" if args.transformer_engine_spec else "local",
+        transformer_impl="transformer_engine" if layer_spec == "transformer_engine" else "local",
         **recompute,
     )
 
@@ -152,10 +152,8 @@ def build(args, device: Device, mode: Optional[Mode] = None, attention_backend: 
     ``optimizer_args``: the learning rates to build the optimizer with, where not ``args``'s
     (:func:`megatron_tsp.run.loop.optimizer_args`)."""
     lrs = optimizer_args or args
-    config = transformer_config(args, device)
-    if transformer_engine is None:
-        transformer_engine = args.transformer_engine_spec
     mode = mode or modes.of(args)
+    config = transformer_config(args, device, mode.layer_spec(args, transformer_engine))
     spec = mode.spec(args, config, attention_backend, transformer_engine, fused_norm)
     model = step.build_model(
         config, spec, data.padded_vocab(args), device.torch,

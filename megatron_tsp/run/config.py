@@ -20,7 +20,6 @@ import yaml
 
 from megatron_tsp.core.sizes import ParallelSizes
 from megatron_tsp.core.support import RULES, causal_window, violations
-from megatron_tsp.env import transformer_engine_version
 from megatron_tsp.errors import ConfigError
 
 
@@ -291,15 +290,16 @@ def resolve(values: Dict[str, Any]) -> argparse.Namespace:
         ns.lr_decay_iters = ns.train_iters
     if ns.tsp_size > 1:
         ns.sequence_parallel = True
-    if ns.transformer_engine_spec is None:  # Megatron-LM's default where it can be had
-        ns.transformer_engine_spec = transformer_engine_version() is not None and not te_spec_conflicts(ns)
     check_combinations(ns)
     return ns
 
 
 def te_spec_conflicts(ns: argparse.Namespace) -> List[tuple]:
     """``(key, why)`` for each setting of ``ns`` that megatron's TransformerEngine layer spec
-    does not take here: a TSP layout, experts, packed documents."""
+    does not take here: a TSP layout, experts, packed documents. ``transformer_engine_spec``
+    unset (None) is decided where the layers are built, with the device up
+    (:meth:`~megatron_tsp.run.modes.Mode.layer_spec`): TransformerEngine's import may start
+    CUDA, which must not happen before a job's environment is set."""
     return [(key, why) for conflict, key, why in (
         (sizes(ns).tsp > 1, "transformer_engine_spec", "applies to the baselines; TSP's layers are its own"),
         (ns.num_experts, "transformer_engine_spec", "with num_experts is not implemented here (its layers would be "
@@ -481,7 +481,9 @@ def to_megatron_flags(values: Dict[str, Any]) -> List[str]:
         if key in META_KEYS or value is None:
             continue
         arg = ARGUMENTS[key]
-        if arg.flag:  # an on-by-default switch: Megatron-LM only has its --no- flag
+        if key == "transformer_engine_spec":  # Megatron-LM picks a baseline's layers by --transformer-impl
+            flags.extend(["--transformer-impl", "transformer_engine" if value else "local"])
+        elif arg.flag:  # an on-by-default switch: Megatron-LM only has its --no- flag
             if value != arg.default:
                 flags.append(arg.flag)
         elif isinstance(value, bool):

@@ -282,7 +282,7 @@ def _train(args, device: Device, exits: EarlyExit, log_path: Optional[str], coll
     transform = modes.of(args).batch_transform(args)
     eod = data.documents_eod(args)
     flops_per_step = flops_per_sequence_from_args(args, data.padded_vocab(args)) * global_batch
-    logger = Logger(log_path, modes.of(args).name, modes.of(args).layer_spec(args.transformer_engine_spec))
+    logger = Logger(log_path, modes.of(args).name, modes.of(args).layer_spec(args))
     record: Dict[str, Any] = {}
     pending: List[torch.Tensor] = []  # device losses of the iterations since the last read
     interval_start = time.perf_counter()

@@ -74,15 +74,14 @@ class Mode:
         """The resolved arguments of ``values`` laid out as this mode."""
         return config.resolve(self.values(values, cp))
 
-    def spec(self, args, transformer_config, attention_backend: str = "auto", transformer_engine: bool = False,
-             fused_norm: bool = True):
-        """What GPTModel takes as ``transformer_layer_spec``: the TSP block spec; else
-        megatron's TransformerEngine layer spec where TE is installed (it only imports with a
-        GPU) and ``transformer_engine`` asks for it (``--transformer-engine-spec``); else the
-        baseline block spec: megatron's local layers with the attention op TSP uses and its
-        norms (baselines.py), so that every mode runs the same attention kernels;
+    def spec(self, args, transformer_config, attention_backend: str = "auto",
+             transformer_engine: Optional[bool] = None, fused_norm: bool = True):
+        """What GPTModel takes as ``transformer_layer_spec``, as :meth:`layer_spec` says: the
+        TSP block spec; megatron's TransformerEngine layer spec (it only imports with a GPU);
+        or the baseline block spec, megatron's local layers with the attention op TSP uses and
+        its norms (baselines.py), so that the modes run the same attention kernels;
         ``fused_norm``: see :func:`megatron_tsp.core.norm.implementation`."""
-        kind = self.layer_spec(transformer_engine)
+        kind = self.layer_spec(args, transformer_engine)
         if kind == "tsp":
             return get_gpt_block_tsp_spec(transformer_config, qk_layernorm=args.qk_layernorm,
                                           attention_backend=attention_backend, overlap_comm=self.overlap_comm,
@@ -96,14 +95,18 @@ class Mode:
                                            attention_backend=attention_backend, fused_norm=fused_norm,
                                            ring_mlp=args.ring_mlp, overlap_comm=self.overlap_comm)
 
-    def layer_spec(self, transformer_engine: bool) -> str:
+    def layer_spec(self, args, transformer_engine: Optional[bool] = None) -> str:
         """Which layers :meth:`spec` builds, as results record it: ``tsp``;
-        ``transformer_engine``, megatron's TE layer spec (where TE is installed and
-        ``transformer_engine`` asks for it: ``--transformer-engine-spec``, by default wherever it
-        is installed); else ``local``, megatron's local layers with TSP's attention op and norms."""
+        ``transformer_engine``, megatron's TE layer spec, where TE is installed and
+        ``transformer_engine`` (default: ``--transformer-engine-spec``) asks for it or, unset,
+        where the spec applies (Megatron-LM's default; :func:`config.te_spec_conflicts`); else
+        ``local``, megatron's local layers with TSP's attention op and norms."""
         if self.tsp_layers:
             return "tsp"
-        return "transformer_engine" if transformer_engine and transformer_engine_version() is not None else "local"
+        wanted = args.transformer_engine_spec if transformer_engine is None else transformer_engine
+        if wanted is None:
+            wanted = not config.te_spec_conflicts(args)
+        return "transformer_engine" if wanted and transformer_engine_version() is not None else "local"
 
     def batch_transform(self, args) -> Optional[Callable]:
         """Zigzag order for TSP; megatron's context-parallel slice for CP; nothing otherwise."""
