@@ -21,7 +21,7 @@ def _version(dist_name: str) -> Optional[str]:
 @functools.lru_cache(maxsize=None)
 def transformer_engine_version() -> Optional[str]:
     """TransformerEngine's version when its PyTorch extension imports, else None (tried
-    once: every config resolution asks)."""
+    once a process: every model build and every result's record asks)."""
     try:
         te = importlib.import_module("transformer_engine.pytorch")
     except Exception:  # noqa: BLE001 - any import failure means "not usable here"

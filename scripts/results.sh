@@ -67,6 +67,9 @@ if [[ $what == plan || $what == all ]]; then
     --modes tsp,tp-sp,tp-cp --grid "$grid" --out "$out/plan-olmoe-128k-h100"
   run megatron-tsp plan configs/7b/128k-tsp8.yaml --hardware configs/hardware/h100.yaml --modes cp-fsdp \
     --out "$out/plan-7b-128k-h100-cp-fsdp"
+  # today's H100 plan of TSP (its calls the model's choice) and TP+SP, without the grid's hours
+  run megatron-tsp plan configs/7b/128k-tsp8.yaml --hardware configs/hardware/h100.yaml --modes tsp,tp-sp \
+    --out "$out/plan-7b-128k-h100-chosen"
   # what fused norms change: the same plan with megatron-core's torch RMSNorm fallback
   run megatron-tsp plan configs/7b/128k-tsp8.yaml --hardware configs/hardware/h100.yaml --no-fused-norm \
     --out "$out/plan-7b-128k-h100-unfused-norm"
